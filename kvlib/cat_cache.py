@@ -1,0 +1,105 @@
+"""The naive baseline: a cache that grows by ``torch.cat`` on every write.
+
+This is what ``transformers``' ``DynamicCache`` does (notebook 02 shows it in
+the installed library): per layer, ``[1, n_kv_heads, seq, head_dim]`` tensors,
+and each new token makes new ones of ``seq + 1`` slots, copying the old
+contents across. It has the same ``write`` / ``view`` / ``reset`` /
+``seq_len`` / ``nbytes`` interface as :class:`kvlib.KVCache`, so the same token
+loop runs either one and any difference measured is the cache's alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import MIB, check_kv
+
+__all__ = ["CatCache"]
+
+
+class CatCache:
+    """Per-layer K/V that are replaced by a longer copy on every write.
+
+    A ``cat`` can only put new slots at the end: a write at ``start`` first drops
+    any slots from ``start`` on (as ``DynamicCache.crop`` does), and a write past
+    the end is refused. ``max_seq`` is ``None``: nothing bounds it but memory,
+    which is the problem.
+    """
+
+    max_seq = None
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        if min(n_layers, n_kv_heads, head_dim) < 1:
+            raise ValueError(f"bad shape: layers={n_layers} kv_heads={n_kv_heads} head_dim={head_dim}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.n_layers, self.n_kv_heads, self.head_dim = int(n_layers), int(n_kv_heads), int(head_dim)
+        self._empty = torch.empty(1, self.n_kv_heads, 0, self.head_dim, dtype=dtype, device=device)
+        self.reset()
+
+    @classmethod
+    def for_model(cls, config, *, device=None, dtype=None):
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            config.num_hidden_layers, config.num_key_value_heads, head_dim,
+            device=device, dtype=dtype or torch.bfloat16,
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._empty.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._empty.device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @property
+    def mib(self) -> float:
+        return self.nbytes / MIB
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self._empty.element_size()
+
+    def reset(self) -> None:
+        """New request: drop every layer's tensors (the allocator may keep the blocks)."""
+        self.k = [self._empty] * self.n_layers
+        self.v = [self._empty] * self.n_layers
+        self.seq_len = 0
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append ``[n, n_kv_heads, head_dim]``: allocate ``start + n`` slots, copy all."""
+        check_kv(self, layer, start, k, v)
+        held = self.k[layer].shape[2]
+        if start > held:
+            raise ValueError(f"CatCache can only append: writing at slot {start}, layer {layer} holds {held}")
+        # [n, H, D] -> [1, H, n, D], then the whole-cache copy this course is about.
+        self.k[layer] = torch.cat([self.k[layer][:, :, :start], k.permute(1, 0, 2).unsqueeze(0)], dim=2)
+        self.v[layer] = torch.cat([self.v[layer][:, :, :start], v.permute(1, 0, 2).unsqueeze(0)], dim=2)
+
+    def view(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[1, n_kv_heads, seq, head_dim]``: the layer's tensors, sliced."""
+        if not 0 <= layer < self.n_layers:
+            raise IndexError(f"layer {layer} out of range for n_layers={self.n_layers}")
+        held = self.k[layer].shape[2]
+        if not 0 <= seq <= held:
+            raise ValueError(f"view of {seq} slots from a layer holding {held}")
+        return self.k[layer][:, :, :seq], self.v[layer][:, :, :seq]
+
+    def __repr__(self) -> str:
+        return (
+            f"CatCache(layers={self.n_layers}, kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
+            f"dtype={self.dtype}, {self.mib:.1f} MiB, seq_len={self.seq_len})"
+        )

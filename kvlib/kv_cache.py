@@ -1,0 +1,209 @@
+"""Preallocated KV. The cache is written in place and never grown.
+
+A ``cat`` along the length axis on every decode step reallocates and copies the
+whole cache (notebook 02 measures it: bytes per step grow with the context, in
+total quadratically, and on a 12 GB card the allocator dies well before the
+arithmetic said it would). So the shape is fixed when the cache is made:
+
+    k, v: [n_layers, max_seq, n_kv_heads, head_dim]
+
+and a step does ``k[layer, t] = k_new``: one copy into an existing slot. There
+is no ``torch.cat`` in this module, and :meth:`KVCache.view` hands out strided
+views, not clones.
+
+That shape is the one the token loop *writes* (a projection gives
+``[n, n_kv_heads, head_dim]`` per layer); SDPA *reads* ``[1, heads, seq,
+head_dim]``, a ``permute`` away. Where the bytes physically sit is a separate
+choice, ``layout``:
+
+- ``"head"`` (default): storage ``[n_layers, n_kv_heads, max_seq, head_dim]``.
+  Each head's ``[seq, head_dim]`` block is contiguous, so the view SDPA gets is
+  as good as a contiguous tensor. The write is a strided copy of a few KiB.
+- ``"seq"``: storage in the logical order, the original design. The write is
+  one contiguous copy, but SDPA reads keys ``n_kv_heads * head_dim`` apart;
+  notebook 04 measures that the CPU kernels pay for it (on CPU, a decode step
+  with it lost to the ``cat`` cache at 8K context), so it is not the default.
+
+Either way ``k``/``v`` have the logical shape above and are views of the
+storage; the layout changes strides, never results.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["KVCache", "LAYOUTS", "check_kv"]
+
+MIB = 1024 * 1024
+LAYOUTS = ("head", "seq")
+
+
+def check_kv(cache, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Refuse a write that would be wrong, before anything is written.
+
+    Shared by every cache with the ``write(layer, start, k, v)`` contract, so
+    they refuse the same things with the same words.
+    """
+    if not 0 <= layer < cache.n_layers:
+        raise IndexError(f"layer {layer} out of range for n_layers={cache.n_layers}")
+    if start < 0:
+        raise IndexError(f"negative start {start}")
+    want = (cache.n_kv_heads, cache.head_dim)
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 3 or tuple(t.shape[1:]) != want:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}, expected [n, {want[0]}, {want[1]}] "
+                f"(n new tokens, n_kv_heads, head_dim)"
+            )
+        if t.dtype != cache.dtype or t.device != cache.device:
+            raise ValueError(
+                f"{name} is {t.dtype} on {t.device}, cache is {cache.dtype} on {cache.device}"
+            )
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} disagree")
+
+
+class KVCache:
+    """Two fixed ``[n_layers, max_seq, n_kv_heads, head_dim]`` tensors.
+
+    ``seq_len`` is the number of *valid* slots, owned by the caller (the token
+    loop advances it after all layers have written). Slots past it are zeros
+    that nothing reads.
+
+    ``device=None`` means CUDA when there is one, else the CPU: the course runs
+    on laptops too, and a default that crashes there teaches nothing.
+    """
+
+    __slots__ = (
+        "k",
+        "v",
+        "n_layers",
+        "max_seq",
+        "n_kv_heads",
+        "head_dim",
+        "layout",
+        "seq_len",
+        "_k",
+        "_v",
+        "_k_attn",
+        "_v_attn",
+    )
+
+    def __init__(
+        self,
+        n_layers: int,
+        max_seq: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        layout: str = "head",
+    ) -> None:
+        if min(n_layers, max_seq, n_kv_heads, head_dim) < 1:
+            raise ValueError(
+                f"bad shape: layers={n_layers} max_seq={max_seq} "
+                f"kv_heads={n_kv_heads} head_dim={head_dim}"
+            )
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.n_layers = int(n_layers)
+        self.max_seq = int(max_seq)
+        self.n_kv_heads = int(n_kv_heads)
+        self.head_dim = int(head_dim)
+        self.layout = layout
+
+        L, S, H, D = self.n_layers, self.max_seq, self.n_kv_heads, self.head_dim
+        stored = (L, H, S, D) if layout == "head" else (L, S, H, D)
+        # zeros, not empty: the unwritten tail is never read, but paying for the
+        # pages up front is what makes memory flat during generation.
+        k = torch.zeros(stored, dtype=dtype, device=device)
+        v = torch.zeros(stored, dtype=dtype, device=device)
+        # The public tensors always have the logical shape [L, S, H, D].
+        self.k = k.transpose(1, 2) if layout == "head" else k
+        self.v = v.transpose(1, 2) if layout == "head" else v
+        self.seq_len = 0
+
+        # Per-layer views, built once: `self.k[layer]` would be a fresh view on
+        # every layer of every token. [S, H, D] for writing...
+        self._k = [self.k[i] for i in range(L)]
+        self._v = [self.v[i] for i in range(L)]
+        # ...and [1, H, S, D] for SDPA. Permute once; the token path only slices.
+        self._k_attn = [t.permute(1, 0, 2).unsqueeze(0) for t in self._k]
+        self._v_attn = [t.permute(1, 0, 2).unsqueeze(0) for t in self._v]
+
+    @classmethod
+    def for_model(cls, config, max_seq: int, *, device=None, dtype=None, layout: str = "head"):
+        """Size a cache from a ``transformers`` config (the model's own numbers)."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            config.num_hidden_layers,
+            max_seq,
+            config.num_key_value_heads,
+            head_dim,
+            device=device,
+            dtype=dtype or torch.bfloat16,
+            layout=layout,
+        )
+
+    # --- accounting --------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    @property
+    def mib(self) -> float:
+        return self.nbytes / MIB
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV cost of one more token, all layers, K and V."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.k.element_size()
+
+    def reset(self) -> None:
+        """New request, same memory. Nothing is freed and nothing is zeroed."""
+        self.seq_len = 0
+
+    # --- the two operations a step needs -----------------------------------
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``k``/``v`` are ``[n, n_kv_heads, head_dim]`` for slots ``start..start+n``.
+
+        Assignment into a slice of an existing tensor: one copy kernel each, no
+        allocation, no ``cat``. Checked first, so a refused write writes nothing.
+        """
+        check_kv(self, layer, start, k, v)
+        end = start + k.shape[0]
+        if end > self.max_seq:
+            raise ValueError(
+                f"KV overflow: writing slots {start}..{end} into max_seq={self.max_seq}"
+            )
+        # Slice copy, not ``k[0]``: K/V are often CUDA-graph outputs, and
+        # ``select`` on those is ``Offset increment outside graph capture``.
+        self._k[layer][start:end] = k
+        self._v[layer][start:end] = v
+
+    def view(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[1, n_kv_heads, seq, head_dim]`` views for SDPA. No copy."""
+        if not 0 <= layer < self.n_layers:
+            raise IndexError(f"layer {layer} out of range for n_layers={self.n_layers}")
+        if not 0 <= seq <= self.max_seq:
+            raise ValueError(f"view of {seq} slots from a cache of max_seq={self.max_seq}")
+        return self._k_attn[layer][:, :, :seq], self._v_attn[layer][:, :, :seq]
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCache(layers={self.n_layers}, max_seq={self.max_seq}, "
+            f"kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
+            f"dtype={self.dtype}, layout={self.layout}, {self.mib:.1f} MiB, "
+            f"{self.bytes_per_token / 1024:.0f} KiB/token, seq_len={self.seq_len})"
+        )
