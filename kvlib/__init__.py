@@ -7,7 +7,8 @@ loop that runs either one, the models, and the instruments that measure them.
 
 from .cat_cache import CatCache
 from .env import auto_dtype, default_device, label
-from .generate import Generation, forward, generate
+from .decoder import forward
+from .generate import Generation, generate
 from .kv_cache import KVCache
 from .meter import AllocMeter, MeteredCache
 from .models import load_model, model_names

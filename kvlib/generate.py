@@ -1,14 +1,9 @@
 """The course's token loop: prefill, then one token at a time, over any cache.
 
-It is written against the model's own modules (embeddings, norms, q/k/v/o
-projections, Qwen3's q/k norms, the rotary embedding, the MLP, the head), so
-the weights, the RoPE scaling of the checkpoint and the numerics are the
-model's; only the cache and the attention call are ours. Attention is
-``scaled_dot_product_attention`` over the cache's views, with grouped-query
-attention left to ``enable_gqa`` so K/V are never expanded with a copy.
-
-Shapes (batch 1): hidden ``[1, n, d]``; q ``[1, n, Hq, D]``; k/v written as
-``[n, Hkv, D]``; SDPA reads ``[1, H, seq, D]``.
+:func:`generate` runs :func:`kvlib.decoder.forward` over a preallocated
+:class:`KVCache` or the ``cat`` baseline, picks tokens on the device (greedy,
+or top-k / top-p sampling from a seeded generator) and keeps host syncs off the
+hot path: EOS is looked for once every ``EOS_CHECK_EVERY`` steps.
 """
 
 from __future__ import annotations
@@ -16,81 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .cat_cache import CatCache
+from .decoder import check_supported, forward
+from .graphs import StaticStep
 from .kv_cache import KVCache
 from .timing import StepTimer
 
-__all__ = ["generate", "forward", "Generation", "check_supported", "SUPPORTED"]
+__all__ = ["generate", "Generation"]
 
-SUPPORTED = ("llama", "qwen2", "qwen3")
 EOS_CHECK_EVERY = 8  # host syncs to look for EOS: one per this many steps, not one per step
-
-
-def check_supported(model) -> None:
-    """Refuse architectures whose attention this loop would get silently wrong."""
-    config = model.config
-    if config.model_type not in SUPPORTED:
-        raise NotImplementedError(
-            f"kvlib's token loop supports {SUPPORTED}; {type(model).__name__} is {config.model_type!r}"
-        )
-    windowed = [t for t in (getattr(config, "layer_types", None) or []) if t != "full_attention"]
-    if windowed:
-        raise NotImplementedError(f"{len(windowed)} layers use {windowed[0]!r}; kvlib supports full attention only")
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in the rotate-half convention of these families. x ``[1, n, H, D]``, cos/sin ``[1, n, D]``."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def _attention(attn, h, cos, sin, cache, layer: int, start: int) -> torch.Tensor:
-    """One layer's self-attention for n new tokens at slots ``start..start+n``."""
-    n, D = h.shape[1], attn.head_dim
-    q = attn.q_proj(h).view(1, n, -1, D)  # [1, n, Hq, D]
-    k = attn.k_proj(h).view(1, n, -1, D)  # [1, n, Hkv, D]
-    v = attn.v_proj(h).view(1, n, -1, D)
-    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over head_dim, before RoPE
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    cache.write(layer, start, k[0], v[0])
-    end = start + n
-    keys, values = cache.view(layer, end)  # [1, Hkv, end, D], views
-    if n == 1:  # decode: the one query sees every slot
-        mask, causal = None, False
-    elif start == 0:  # prefill from empty: plain causal
-        mask, causal = None, True
-    else:  # a chunk after earlier tokens: causal, offset by `start`
-        mask, causal = torch.ones(n, end, dtype=torch.bool, device=h.device).tril(start), False
-    o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal,
-        scale=attn.scaling, enable_gqa=True,
-    )  # [1, Hq, n, D]
-    return attn.o_proj(o.transpose(1, 2).reshape(1, n, -1))
-
-
-def forward(model, ids: torch.Tensor, cache, start: int) -> torch.Tensor:
-    """Run ``ids`` ``[1, n]`` at positions ``start..start+n``; return the last logits ``[1, vocab]``.
-
-    Every layer writes its K/V for those slots; ``cache.seq_len`` becomes
-    ``start + n``. Only the last position goes through the head: the logits of
-    the others are never used, and for a long prompt they would be the largest
-    tensor of the step.
-    """
-    body = model.model
-    n = ids.shape[1]
-    x = body.embed_tokens(ids)  # [1, n, d]
-    positions = torch.arange(start, start + n, device=ids.device).unsqueeze(0)
-    cos, sin = body.rotary_emb(x, positions)  # the model's own RoPE, scaling included
-    for i, layer in enumerate(body.layers):
-        x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, cache, i, start)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    cache.seq_len = start + n
-    return model.lm_head(body.norm(x[:, -1:]))[:, -1]
 
 
 def _pick(logits, temperature: float, top_k, top_p, generator) -> torch.Tensor:
@@ -153,6 +83,8 @@ def generate(
     seed: int | None = None,
     eos_token_id="auto",
     prefill_chunk: int | None = None,
+    step: str = "eager",
+    bucket: int = 256,
     timed: bool = False,
     return_logits: bool = False,
     on_step=None,
@@ -167,6 +99,11 @@ def generate(
     model's generation config; ``None``: never). ``prefill_chunk`` splits a long
     prompt so the prefill's workspace stays bounded. ``on_step(step, seq_len)``
     is called after each decode step (for memory traces and meters).
+
+    ``step`` is how a decode step runs: ``"eager"`` slices attention to the
+    length; ``"static"`` reads fixed spans of ``bucket`` slots with a mask (any
+    device); ``"graph"`` is ``"static"`` captured as CUDA graphs and replayed
+    (:mod:`kvlib.graphs`). All three give the same tokens.
     """
     check_supported(model)
     ids = input_ids.reshape(1, -1).to(model.device)
@@ -190,13 +127,20 @@ def generate(
         generator = torch.Generator(model.device)
         generator.manual_seed(0 if seed is None else seed)
 
+    if step == "eager":
+        decode = lambda token, pos: forward(model, token, cache, pos)  # noqa: E731
+    elif step in ("static", "graph"):
+        decode = StaticStep(model, cache, bucket=bucket, capture=step == "graph")
+    else:
+        raise ValueError(f"step must be 'eager', 'static' or 'graph', not {step!r}")
+
     timer = StepTimer(model.device) if timed else None
-    if timer:
+    if timer is not None:
         timer.start()
     chunk = prefill_chunk or n
     for s in range(0, n, chunk):
         logits = forward(model, ids[:, s : s + chunk], cache, start + s)
-    if timer:
+    if timer is not None:
         timer.stop()
 
     out = torch.empty(max_new_tokens, dtype=torch.long, device=model.device)
@@ -213,11 +157,11 @@ def generate(
             done = done or bool(torch.isin(out[:produced], eos).any())
         if done:
             break
-        if timer:
+        if timer is not None:
             timer.start()
-        logits = forward(model, nxt, cache, pos)
+        logits = decode(nxt, pos)
         pos += 1
-        if timer:
+        if timer is not None:
             timer.stop()
         if on_step:
             on_step(produced - 1, pos)
@@ -231,7 +175,7 @@ def generate(
             cache.seq_len = start + n + len(tokens) - 1
             if kept_logits is not None:
                 kept_logits = kept_logits[: len(tokens)]
-    times = timer.times_s if timer else None
+    times = timer.times_s if timer is not None else None
     return Generation(
         tokens=tokens,
         prompt_len=n,

@@ -192,6 +192,18 @@ class KVCache:
         self._k[layer][start:end] = k
         self._v[layer][start:end] = v
 
+    def write_at(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``[n, n_kv_heads, head_dim]`` at the slots in ``pos``, a device tensor ``[n]``.
+
+        The variant a captured step needs: the position lives on the device, so
+        a CUDA graph replays with a new one without being captured again. It
+        cannot be range-checked without a host sync, so the caller checks it on
+        the host (:class:`kvlib.graphs.StaticStep` does).
+        """
+        check_kv(self, layer, 0, k, v)
+        self._k[layer].index_copy_(0, pos, k)
+        self._v[layer].index_copy_(0, pos, v)
+
     def view(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[1, n_kv_heads, seq, head_dim]`` views for SDPA. No copy."""
         if not 0 <= layer < self.n_layers:

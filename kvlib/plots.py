@@ -23,7 +23,7 @@ from matplotlib.text import Text
 from kvlib.budget import GIB, MIB, Budget
 
 __all__ = [
-    "FIGURES", "budget_bar", "cumulative_bytes", "load", "memory_vs_tokens", "roofline",
+    "FIGURES", "budget_bar", "bytes_per_step", "cumulative_bytes", "load", "memory_vs_tokens", "roofline",
     "save", "time_per_step",
 ]
 
@@ -98,6 +98,16 @@ def cumulative_bytes(series: dict[str, tuple[Sequence, Sequence]], label: str) -
     fig, ax = _figure("Bytes allocated or copied, summed over steps", label, "tokens", "cumulative GiB")
     for name, (tokens, per_step) in series.items():
         ax.plot(tokens, [b / GIB for b in accumulate(per_step)], label=name)
+    return _finish(fig, ax)
+
+
+def bytes_per_step(series: dict[str, tuple[Sequence, Sequence]], label: str) -> Figure:
+    """Bytes one decode step allocates for the cache, against the context it runs at."""
+    peak = max((max(b, default=0) for _, b in series.values()), default=0)
+    scale, unit = _unit(peak)
+    fig, ax = _figure("Cache bytes allocated per decode step", label, "context (tokens)", unit)
+    for name, (tokens, per_step) in series.items():
+        ax.plot(tokens, [b / scale for b in per_step], "o-", label=name)
     return _finish(fig, ax)
 
 

@@ -1,0 +1,232 @@
+"""``python -m kvlib.bench``: every reference figure of the course, from one run.
+
+In one process, on one model and one prompt, at several context lengths:
+decode time per token for ``kvlib.generate`` with the preallocated cache and
+with the ``cat`` cache, and for ``transformers``' ``model.generate`` with its
+Dynamic and Static caches; the cache bytes each of kvlib's caches allocates
+per decode step (the meter); on a GPU, memory, the longest context each of
+kvlib's caches reaches under the budget, and CUDA-graph decode against eager;
+the bandwidth floor and the fraction of it reached (MBU). Speed is compared as
+ratios measured here, in the same run.
+
+A progress bar goes to stderr; the last line on stdout is one JSON object.
+``--out DIR`` also writes the figures (PNG + JSON, labelled) and ``bench.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.utils import logging as hf_logging
+
+from . import plots
+from .bandwidth import decode_bytes, floor_s_per_token, measure_bandwidth
+from .budget import plan_budget
+from .cat_cache import CatCache
+from .decoder import forward
+from .env import describe, label
+from .generate import generate
+from .kv_cache import KVCache
+from .memory import cap_memory, memory_stats
+from .meter import AllocMeter, MeteredCache
+from .models import load_model
+from .timing import StepTimer
+
+CACHES = ("prealloc", "cat", "hf_dynamic", "hf_static")
+
+
+class _Clock(StoppingCriteria):
+    """Times each of ``model.generate``'s steps: it is called once per new token."""
+
+    def __init__(self, device):
+        self.timer, self.started = StepTimer(device), False
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.started:
+            self.timer.stop()
+        self.timer.start()
+        self.started = True
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _free(device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _ms_per_token(model, prompt, kind: str, steps: int, chunk: int) -> float:
+    """Median decode-step time, in ms, after ``prompt``: the prefill is not counted."""
+    if kind in ("prealloc", "cat"):
+        out = generate(model, prompt, steps + 1, cache=kind, eos_token_id=None, prefill_chunk=chunk, timed=True)
+        times = out.step_s
+    else:
+        clock = _Clock(model.device)
+        model.generate(
+            prompt, max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False,
+            cache_implementation="static" if kind == "hf_static" else None,
+            stopping_criteria=StoppingCriteriaList([clock]), pad_token_id=0,
+        )
+        times = clock.timer.times_s
+    return 1e3 * statistics.median(times)
+
+
+def _cache_bytes_per_step(model, prompt, kind: str, chunk: int) -> int:
+    """Bytes the cache allocates in one decode step at this context (the meter)."""
+    cache = generate(model, prompt, 1, cache=kind, max_seq=prompt.shape[1] + 4, eos_token_id=None,
+                     prefill_chunk=chunk).cache
+    meter = AllocMeter()
+    with meter:  # the first mark also holds the 1-token prefill: keep the last, a pure decode step
+        generate(model, prompt[:, -1:], 3, cache=MeteredCache(cache, meter), eos_token_id=None,
+                 on_step=lambda step, seq_len: meter.mark())
+    return meter.step_regions[-1].get("cache", 0)
+
+
+def _longest(model, budget: int, chunk: int) -> dict:
+    """GPU: the longest context each kvlib cache reaches under the cap, against the arithmetic.
+
+    prealloc: the largest cache that can be made and decoded into, trying the
+    arithmetic limit and then 1% less at a time (slots past the prompt are
+    zeros, which cost the same reads as real keys). cat: grown ``chunk`` tokens
+    per write until the allocator gives up, recording memory as it grows.
+    """
+    device, config = model.device, model.config
+    limit = plan_budget(config, model.dtype, budget, prefill_chunk=chunk).max_context
+    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+    out = {"arithmetic": limit, "prealloc": 0, "cat": 0, "cat_trace": []}
+    for frac in [1 - i / 100 for i in range(11)]:
+        _free(device)
+        try:
+            cache = KVCache.for_model(config, int(limit * frac), device=device, dtype=model.dtype)
+            forward(model, token, cache, cache.max_seq - 1)
+            out["prealloc"] = cache.max_seq
+            break
+        except torch.OutOfMemoryError:
+            cache = None
+    del cache
+    _free(device)
+    cat = CatCache.for_model(config, device=device, dtype=model.dtype)
+    ids = torch.zeros(1, chunk, dtype=torch.long, device=device)
+    try:
+        while True:
+            forward(model, ids, cat, cat.seq_len)
+            out["cat"] = cat.seq_len
+            out["cat_trace"].append({"tokens": cat.seq_len, **memory_stats(device)})
+    except torch.OutOfMemoryError:
+        out["cat_died_reserved"] = torch.cuda.memory_reserved(device)
+    del cat
+    _free(device)
+    return out
+
+
+def run(model_name: str, device, budget_gib: float, quick: bool) -> dict:
+    on_gpu = device.type == "cuda"
+    cap = cap_memory(budget_gib, device)
+    model, _ = load_model(model_name, device=device)
+    config, dtype = model.config, model.dtype
+    contexts = [64, 256] if quick else ([1024, 4096, 16384] if on_gpu else [512, 2048, 8192])
+    steps, chunk = (3 if quick else 16 if on_gpu else 8), 512
+    prompt = torch.randint(0, config.vocab_size, (1, max(contexts)), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.to(device)
+    where = label(device, dtype, cap)
+    res = {
+        "device": describe(device, dtype, cap), "label": where, "model": model_name,
+        "dtype": str(dtype).removeprefix("torch."), "budget_gib": budget_gib if cap.active else None,
+        "cap": cap.note, "contexts": contexts, "steps": steps,
+        # every per-context list below is aligned with "contexts"; None = not measured (OOM)
+        "caches": {k: {"ms_per_token": []} for k in CACHES},
+    }
+    for k in ("prealloc", "cat"):
+        res["caches"][k]["cache_bytes_per_step"] = []
+    jobs = [(c, k) for c in contexts for k in CACHES]
+    for c, k in tqdm(jobs, desc="decode", file=sys.stderr, disable=quick):
+        _free(device)
+        try:
+            ms = _ms_per_token(model, prompt[:, :c], k, steps, chunk)
+            if k in ("prealloc", "cat"):
+                res["caches"][k]["cache_bytes_per_step"].append(
+                    _cache_bytes_per_step(model, prompt[:, :c], k, chunk))
+        except torch.OutOfMemoryError:
+            ms = None  # recorded as missing, never guessed
+        res["caches"][k]["ms_per_token"].append(ms)
+    bw = measure_bandwidth(device)
+    floor = [1e3 * floor_s_per_token(decode_bytes(config, dtype, c), bw) for c in contexts]
+    res["bandwidth"] = {
+        "bytes_per_s": bw, "floor_ms": floor,
+        "mbu": {k: [None if m is None else f / m for f, m in zip(floor, v["ms_per_token"])]
+                for k, v in res["caches"].items()},
+    }
+    if on_gpu:
+        c = contexts[-1]
+        res["cuda_graph"] = {
+            "context": c,
+            "eager_ms": res["caches"]["prealloc"]["ms_per_token"][-1],
+            "graph_ms": 1e3 * statistics.median(generate(
+                model, prompt[:, :c], steps + 1, eos_token_id=None, prefill_chunk=chunk, step="graph",
+                bucket=1024, timed=True).step_s),
+        }
+        res["longest"] = _longest(model, cap.budget_bytes, chunk if not quick else 256)
+        res["memory"] = memory_stats(device)
+    return res
+
+
+def figures(res: dict, out: Path) -> None:
+    """The reference figures the notebooks load, each with its label and numbers."""
+    where, cs = res["label"], res["contexts"]
+    measured = lambda values: [(c, x) for c, x in zip(cs, values) if x is not None]  # noqa: E731
+    series = {k: tuple(zip(*measured(v["ms_per_token"]))) for k, v in res["caches"].items()}
+    plots.save(plots.time_per_step(series, where), "bench_time", res, where, out)
+    per_step = {k: tuple(zip(*measured(res["caches"][k]["cache_bytes_per_step"]))) for k in ("prealloc", "cat")}
+    fig = plots.bytes_per_step(per_step, where)
+    plots.save(fig, "bench_bytes", {k: res["caches"][k]["cache_bytes_per_step"] for k in per_step} | {"contexts": cs},
+               where, out)
+    pre = measured(zip(res["caches"]["prealloc"]["ms_per_token"], res["bandwidth"]["floor_ms"]))
+    fig = plots.roofline([c for c, _ in pre], [m for _, (m, f) in pre], [f for _, (m, f) in pre], where)
+    plots.save(fig, "bench_roofline", res["bandwidth"] | {"contexts": cs}, where, out)
+    if "longest" in res:
+        trace = res["longest"]["cat_trace"]
+        rows = {"cat (grown per chunk)": {k: [r[k] for r in trace] for k in ("tokens", "allocated", "reserved")}}
+        fig = plots.memory_vs_tokens(rows, where, budget_bytes=int(res["budget_gib"] * 2**30) if res["budget_gib"] else None)
+        plots.save(fig, "bench_memory", res["longest"], where, out)
+    (out / "bench.md").write_text(table(res))
+
+
+def table(res: dict) -> str:
+    """A Markdown table of ms/token by context, for the README (generated, not typed)."""
+    head = "| cache | " + " | ".join(f"{c} tokens" for c in res["contexts"]) + " |"
+    rows = [head, "|---" * (len(res["contexts"]) + 1) + "|"]
+    for k, v in res["caches"].items():
+        cells = ["—" if ms is None else f"{ms:.1f}" for ms in v["ms_per_token"]]
+        rows.append(f"| {k} | " + " | ".join(cells) + " |")
+    return f"ms per decode step, {res['model']}, {res['label']}\n\n" + "\n".join(rows) + "\n"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m kvlib.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    p.add_argument("--model", default=None, help="default: smollm2-135m on CPU, random:qwen3-4b on GPU")
+    p.add_argument("--budget-gib", type=float, default=12.0, help="cap a bigger GPU's allocator (GiB)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: two short contexts, few steps")
+    p.add_argument("--out", type=Path, default=None, help="write figures, JSON and bench.md here")
+    a = p.parse_args(argv)
+    hf_logging.set_verbosity_error()
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = a.model or ("random:qwen3-4b" if device.type == "cuda" else "smollm2-135m")
+    res = run(model, device, a.budget_gib, a.quick)
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "bench.json").write_text(json.dumps({"label": res["label"], "data": res}, indent=1) + "\n")
+        figures(res, a.out)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""`python -m kvlib.bench --quick`: the command runs and its last line is the promised JSON."""
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from kvlib.bench import CACHES
+from kvlib.budget import kv_bytes_per_token, load_config
+
+
+def test_quick_bench_prints_one_json_line_and_writes_figures(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "kvlib.bench", "--quick", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, check=True,
+    )
+    res = json.loads(run.stdout.strip().splitlines()[-1])
+    assert {"device", "model", "dtype", "label", "contexts", "caches", "bandwidth"} <= res.keys()
+    assert res["model"] == "smollm2-135m" and res["dtype"] == "float32"
+    assert set(res["caches"]) == set(CACHES)
+    n = len(res["contexts"])
+    for k in CACHES:
+        ms = res["caches"][k]["ms_per_token"]
+        assert len(ms) == n and all(m > 0 for m in ms)
+    # The meter's numbers are exact: prealloc allocates nothing for its cache; cat
+    # allocates the whole grown cache, K and V of every layer, at context + 3 tokens
+    # (the prompt, its first new token, then the metered decode steps).
+    per_token = kv_bytes_per_token(load_config("smollm2-135m"), torch.float32)
+    assert res["caches"]["prealloc"]["cache_bytes_per_step"] == [0] * n
+    assert res["caches"]["cat"]["cache_bytes_per_step"] == [per_token * (c + 3) for c in res["contexts"]]
+    for name in ("bench_time", "bench_bytes", "bench_roofline"):
+        assert (tmp_path / f"{name}.png").is_file()
+        assert json.loads((tmp_path / f"{name}.json").read_text())["label"] == res["label"]
+    assert "ms per decode step" in (tmp_path / "bench.md").read_text()
