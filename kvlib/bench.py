@@ -63,7 +63,7 @@ def _free(device) -> None:
         torch.cuda.empty_cache()
 
 
-def _ms_per_token(model, prompt, kind: str, steps: int, chunk: int) -> float:
+def ms_per_token(model, prompt, kind: str, steps: int, chunk: int) -> float:
     """Median decode-step time, in ms, after ``prompt``: the prefill is not counted."""
     if kind in ("prealloc", "cat"):
         out = generate(model, prompt, steps + 1, cache=kind, eos_token_id=None, prefill_chunk=chunk, timed=True)
@@ -79,18 +79,28 @@ def _ms_per_token(model, prompt, kind: str, steps: int, chunk: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def _cache_bytes_per_step(model, prompt, kind: str, chunk: int) -> int:
-    """Bytes the cache allocates in one decode step at this context (the meter)."""
-    cache = generate(model, prompt, 1, cache=kind, max_seq=prompt.shape[1] + 4, eos_token_id=None,
-                     prefill_chunk=chunk).cache
+def cache_bytes_per_step(model, context: int, kind: str) -> int:
+    """Bytes the cache allocates in the decode step that writes slot ``context`` (the meter).
+
+    The cache is filled with ``context`` slots of zeros first: what a step
+    allocates depends on how much the cache holds, not on what.
+    """
+    config, device, dtype = model.config, model.device, model.dtype
+    if kind == "prealloc":
+        cache = KVCache.for_model(config, context + 1, device=device, dtype=dtype)
+    else:
+        cache = CatCache.for_model(config, device=device, dtype=dtype)
+        zeros = torch.zeros(context, cache.n_kv_heads, cache.head_dim, device=device, dtype=dtype)
+        for layer in range(cache.n_layers):
+            cache.write(layer, 0, zeros, zeros)
+    cache.seq_len = context
     meter = AllocMeter()
-    with meter:  # the first mark also holds the 1-token prefill: keep the last, a pure decode step
-        generate(model, prompt[:, -1:], 3, cache=MeteredCache(cache, meter), eos_token_id=None,
-                 on_step=lambda step, seq_len: meter.mark())
-    return meter.step_regions[-1].get("cache", 0)
+    with meter:
+        forward(model, torch.zeros(1, 1, dtype=torch.long, device=device), MeteredCache(cache, meter), context)
+    return meter.by_region.get("cache", 0)
 
 
-def _longest(model, budget: int, chunk: int) -> dict:
+def longest_context(model, budget: int, chunk: int) -> dict:
     """GPU: the longest context each kvlib cache reaches under the cap, against the arithmetic.
 
     prealloc: the largest cache that can be made and decoded into, trying the
@@ -127,13 +137,15 @@ def _longest(model, budget: int, chunk: int) -> dict:
     return out
 
 
-def run(model_name: str, device, budget_gib: float, quick: bool) -> dict:
+def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=None, progress=True) -> dict:
+    """Everything above for one model on one device; returns the results dict printed as JSON."""
+    device = torch.device(device)
     on_gpu = device.type == "cuda"
     cap = cap_memory(budget_gib, device)
     model, _ = load_model(model_name, device=device)
     config, dtype = model.config, model.dtype
-    contexts = [64, 256] if quick else ([1024, 4096, 16384] if on_gpu else [512, 2048, 8192])
-    steps, chunk = (3 if quick else 16 if on_gpu else 8), 512
+    contexts = contexts or ([1024, 4096, 16384] if on_gpu else [512, 2048, 8192])
+    steps, chunk = steps or (16 if on_gpu else 8), 512
     prompt = torch.randint(0, config.vocab_size, (1, max(contexts)), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(device)
     where = label(device, dtype, cap)
@@ -147,13 +159,12 @@ def run(model_name: str, device, budget_gib: float, quick: bool) -> dict:
     for k in ("prealloc", "cat"):
         res["caches"][k]["cache_bytes_per_step"] = []
     jobs = [(c, k) for c in contexts for k in CACHES]
-    for c, k in tqdm(jobs, desc="decode", file=sys.stderr, disable=quick):
+    for c, k in tqdm(jobs, desc="decode", file=sys.stderr, disable=not progress):
         _free(device)
         try:
-            ms = _ms_per_token(model, prompt[:, :c], k, steps, chunk)
+            ms = ms_per_token(model, prompt[:, :c], k, steps, chunk)
             if k in ("prealloc", "cat"):
-                res["caches"][k]["cache_bytes_per_step"].append(
-                    _cache_bytes_per_step(model, prompt[:, :c], k, chunk))
+                res["caches"][k]["cache_bytes_per_step"].append(cache_bytes_per_step(model, c, k))
         except torch.OutOfMemoryError:
             ms = None  # recorded as missing, never guessed
         res["caches"][k]["ms_per_token"].append(ms)
@@ -173,7 +184,7 @@ def run(model_name: str, device, budget_gib: float, quick: bool) -> dict:
                 model, prompt[:, :c], steps + 1, eos_token_id=None, prefill_chunk=chunk, step="graph",
                 bucket=1024, timed=True).step_s),
         }
-        res["longest"] = _longest(model, cap.budget_bytes, chunk if not quick else 256)
+        res["longest"] = longest_context(model, cap.budget_bytes, chunk)
         res["memory"] = memory_stats(device)
     return res
 
@@ -220,7 +231,8 @@ def main(argv=None) -> None:
     hf_logging.set_verbosity_error()
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = a.model or ("random:qwen3-4b" if device.type == "cuda" else "smollm2-135m")
-    res = run(model, device, a.budget_gib, a.quick)
+    quick = dict(contexts=[64, 256], steps=3) if a.quick else {}
+    res = run(model, device, a.budget_gib, **quick)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "bench.json").write_text(json.dumps({"label": res["label"], "data": res}, indent=1) + "\n")

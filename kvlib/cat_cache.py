@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .budget import head_dim
 from .kv_cache import MIB, check_kv
 
 __all__ = ["CatCache"]
@@ -47,11 +48,8 @@ class CatCache:
 
     @classmethod
     def for_model(cls, config, *, device=None, dtype=None):
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(
-            config.num_hidden_layers, config.num_key_value_heads, head_dim,
-            device=device, dtype=dtype or torch.bfloat16,
-        )
+        return cls(config.num_hidden_layers, config.num_key_value_heads, head_dim(config),
+                   device=device, dtype=dtype or torch.bfloat16)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -20,9 +20,10 @@ choice, ``layout``:
   Each head's ``[seq, head_dim]`` block is contiguous, so the view SDPA gets is
   as good as a contiguous tensor. The write is a strided copy of a few KiB.
 - ``"seq"``: storage in the logical order, the original design. The write is
-  one contiguous copy, but SDPA reads keys ``n_kv_heads * head_dim`` apart;
-  notebook 04 measures that the CPU kernels pay for it (on CPU, a decode step
-  with it lost to the ``cat`` cache at 8K context), so it is not the default.
+  one contiguous copy, but SDPA reads each head's keys ``n_kv_heads * head_dim``
+  elements apart. Notebook 04 measures what that costs on the reader's device;
+  the CPU kernels read it more slowly than a head-major slice, which a
+  ``cat`` cache always hands them, so it is not the default.
 
 Either way ``k``/``v`` have the logical shape above and are views of the
 storage; the layout changes strides, never results.
@@ -31,6 +32,8 @@ storage; the layout changes strides, never results.
 from __future__ import annotations
 
 import torch
+
+from .budget import head_dim
 
 __all__ = ["KVCache", "LAYOUTS", "check_kv"]
 
@@ -74,20 +77,8 @@ class KVCache:
     on laptops too, and a default that crashes there teaches nothing.
     """
 
-    __slots__ = (
-        "k",
-        "v",
-        "n_layers",
-        "max_seq",
-        "n_kv_heads",
-        "head_dim",
-        "layout",
-        "seq_len",
-        "_k",
-        "_v",
-        "_k_attn",
-        "_v_attn",
-    )
+    __slots__ = ("k", "v", "n_layers", "max_seq", "n_kv_heads", "head_dim", "layout", "seq_len",
+                 "_k", "_v", "_k_attn", "_v_attn")
 
     def __init__(
         self,
@@ -137,16 +128,8 @@ class KVCache:
     @classmethod
     def for_model(cls, config, max_seq: int, *, device=None, dtype=None, layout: str = "head"):
         """Size a cache from a ``transformers`` config (the model's own numbers)."""
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(
-            config.num_hidden_layers,
-            max_seq,
-            config.num_key_value_heads,
-            head_dim,
-            device=device,
-            dtype=dtype or torch.bfloat16,
-            layout=layout,
-        )
+        return cls(config.num_hidden_layers, max_seq, config.num_key_value_heads, head_dim(config),
+                   device=device, dtype=dtype or torch.bfloat16, layout=layout)
 
     # --- accounting --------------------------------------------------------
     @property

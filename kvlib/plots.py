@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from itertools import accumulate
 from pathlib import Path
 from typing import Sequence
@@ -81,11 +82,12 @@ def memory_vs_tokens(
     return _finish(fig, ax)
 
 
-def time_per_step(series: dict[str, tuple[Sequence, Sequence]], label: str) -> Figure:
-    """Milliseconds per decode step against tokens, one line per series."""
-    fig, ax = _figure("Time per decode step", label, "tokens", "ms / step")
+def time_per_step(series: dict[str, tuple[Sequence, Sequence]], label: str,
+                  xlabel: str = "context (tokens)") -> Figure:
+    """Milliseconds per decode step against the context it attends over, one line per series."""
+    fig, ax = _figure("Time per decode step", label, xlabel, "ms / step")
     for name, (tokens, ms) in series.items():
-        ax.plot(tokens, ms, label=name)
+        ax.plot(tokens, ms, "o-" if len(tokens) < 20 else "-", ms=4, label=name)
     return _finish(fig, ax)
 
 
@@ -140,6 +142,7 @@ def budget_bar(budget: Budget | list[tuple[str, Budget]], context: int, label: s
         ax.plot([b.budget / GIB] * 2, [y - 0.45, y + 0.45], color="crimson", lw=1.5,
                 label="budget")
     ax.set_yticks(range(len(named)), [n for n, _ in named])
+    ax.set_xlim(0, 1.08 * max(b.budget for _, b in named) / GIB)  # room for the budget tick
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))  # one entry per part, however many bars
     fig.legend(unique.values(), unique.keys(), fontsize=8, ncols=len(unique),
@@ -172,12 +175,15 @@ def _jsonable(obj):
 
 
 def save(fig: Figure, name: str, data: dict, label: str,
-         directory: str | Path = FIGURES) -> tuple[Path, Path]:
+         directory: str | Path | None = None) -> tuple[Path, Path]:
     """Write ``name.png`` and ``name.json`` (``{"label", "data"}``) side by side.
 
     The JSON holds the numbers behind the plot, so a notebook can print them
-    with their label instead of typing them in.
+    with their label instead of typing them in. ``directory`` defaults to
+    ``$KVLIB_SAVE_FIGURES`` if set (the test run sets it, so running the
+    notebooks under nbval leaves the committed figures alone), else ``figures/``.
     """
+    directory = directory or os.environ.get("KVLIB_SAVE_FIGURES") or FIGURES
     shown = [t.get_text() for t in fig.findobj(Text)]
     if not any(label in text for text in shown):
         raise ValueError(f"figure {name!r} does not show its label {label!r}")

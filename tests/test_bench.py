@@ -24,11 +24,10 @@ def test_quick_bench_prints_one_json_line_and_writes_figures(tmp_path):
         ms = res["caches"][k]["ms_per_token"]
         assert len(ms) == n and all(m > 0 for m in ms)
     # The meter's numbers are exact: prealloc allocates nothing for its cache; cat
-    # allocates the whole grown cache, K and V of every layer, at context + 3 tokens
-    # (the prompt, its first new token, then the metered decode steps).
+    # allocates the whole grown cache, K and V of every layer: context + 1 slots.
     per_token = kv_bytes_per_token(load_config("smollm2-135m"), torch.float32)
     assert res["caches"]["prealloc"]["cache_bytes_per_step"] == [0] * n
-    assert res["caches"]["cat"]["cache_bytes_per_step"] == [per_token * (c + 3) for c in res["contexts"]]
+    assert res["caches"]["cat"]["cache_bytes_per_step"] == [per_token * (c + 1) for c in res["contexts"]]
     for name in ("bench_time", "bench_bytes", "bench_roofline"):
         assert (tmp_path / f"{name}.png").is_file()
         assert json.loads((tmp_path / f"{name}.json").read_text())["label"] == res["label"]
