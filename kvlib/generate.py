@@ -106,10 +106,14 @@ def generate(
     (:mod:`kvlib.graphs`). All three give the same tokens.
     """
     check_supported(model)
+    if input_ids.dim() > 2 or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
+        raise ValueError(f"batch 1 only: input_ids is {list(input_ids.shape)}, expected [1, n] or [n]")
     ids = input_ids.reshape(1, -1).to(model.device)
     n = ids.shape[1]
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"need a prompt and max_new_tokens >= 1, got {n} prompt tokens, {max_new_tokens}")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     cache = _make_cache(cache, model, max_seq or n + max_new_tokens, layout)
     start = cache.seq_len
     if cache.max_seq is not None and start + n + max_new_tokens > cache.max_seq:

