@@ -62,6 +62,7 @@ def _attention(attn, h, cos, sin, cache, layer: int, start, end: int, mask, caus
     return attn.o_proj(o.transpose(1, 2).reshape(1, n, -1))
 
 
+@torch.no_grad()  # inference only: a cache must never hold autograd history
 def forward(model, ids: torch.Tensor, cache, start, span: int | None = None) -> torch.Tensor:
     """Run ``ids`` ``[1, n]`` at positions ``start..start+n``; return the last logits ``[1, vocab]``.
 

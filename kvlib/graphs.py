@@ -51,6 +51,7 @@ class StaticStep:
         """Slots attention reads at position ``pos``: the bucket holding it."""
         return min(self.cache.max_seq, (pos // self.bucket + 1) * self.bucket)
 
+    @torch.no_grad()
     def __call__(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         if not 0 <= pos < self.cache.max_seq:
             raise ValueError(f"KV overflow: writing slots {pos}..{pos + 1} into max_seq={self.cache.max_seq}")
