@@ -22,7 +22,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 __all__ = [
-    "Budget", "head_dim", "kv_bytes_per_token", "load_config", "meta_param_count",
+    "GIB", "MIB", "Budget", "head_dim", "kv_bytes_per_token", "load_config", "meta_param_count",
     "param_count", "plan_budget", "shipped_configs", "weight_bytes", "workspace_bytes",
 ]
 

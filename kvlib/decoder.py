@@ -80,7 +80,10 @@ def forward(model, ids: torch.Tensor, cache, start, span: int | None = None) -> 
     n = ids.shape[1]
     if isinstance(start, torch.Tensor):  # static: the position lives on the device
         positions, end, causal = start.view(1, 1), span, False
-        mask = (torch.arange(span, device=ids.device) <= start).view(1, span)  # [1 query, span]
+        # Additive, in the model's dtype, built once per step: a boolean mask would be
+        # converted again by every layer's attention.
+        past = torch.arange(span, device=ids.device) > start
+        mask = torch.zeros(1, span, dtype=model.dtype, device=ids.device).masked_fill(past, float("-inf"))
     else:
         positions, end = torch.arange(start, start + n, device=ids.device).unsqueeze(0), start + n
         if n == 1:  # decode: the one query sees every slot

@@ -83,7 +83,7 @@ def generate(
     seed: int | None = None,
     eos_token_id="auto",
     prefill_chunk: int | None = None,
-    step: str = "eager",
+    step: str | StaticStep = "eager",
     bucket: int = 256,
     timed: bool = False,
     return_logits: bool = False,
@@ -103,7 +103,11 @@ def generate(
     ``step`` is how a decode step runs: ``"eager"`` slices attention to the
     length; ``"static"`` reads fixed spans of ``bucket`` slots with a mask (any
     device); ``"graph"`` is ``"static"`` captured as CUDA graphs and replayed
-    (:mod:`kvlib.graphs`). All three give the same tokens.
+    (:mod:`kvlib.graphs`); pass a :class:`StaticStep` itself to keep its graphs
+    from one request to the next (its cache is then the cache). Static and graph
+    steps give the same tokens; the eager step's unmasked attention may differ
+    from them in the last bits, which in fp32 has not flipped a token in the
+    tests but in bf16 can.
     """
     check_supported(model)
     if input_ids.dim() > 2 or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
@@ -114,6 +118,10 @@ def generate(
         raise ValueError(f"need a prompt and max_new_tokens >= 1, got {n} prompt tokens, {max_new_tokens}")
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    if isinstance(step, StaticStep):
+        if cache not in ("prealloc", step.cache):
+            raise ValueError("a StaticStep brings its own cache: pass cache='prealloc' or step.cache")
+        cache = step.cache
     cache = _make_cache(cache, model, max_seq or n + max_new_tokens, layout)
     start = cache.seq_len
     if cache.max_seq is not None and start + n + max_new_tokens > cache.max_seq:
@@ -131,7 +139,9 @@ def generate(
         generator = torch.Generator(model.device)
         generator.manual_seed(0 if seed is None else seed)
 
-    if step == "eager":
+    if isinstance(step, StaticStep):
+        decode = step
+    elif step == "eager":
         decode = lambda token, pos: forward(model, token, cache, pos)  # noqa: E731
     elif step in ("static", "graph"):
         decode = StaticStep(model, cache, bucket=bucket, capture=step == "graph")

@@ -170,8 +170,9 @@ class KVCache:
             raise ValueError(
                 f"KV overflow: writing slots {start}..{end} into max_seq={self.max_seq}"
             )
-        # Slice copy, not ``k[0]``: K/V are often CUDA-graph outputs, and
-        # ``select`` on those is ``Offset increment outside graph capture``.
+        # One slice copy for all n slots (a whole prefill chunk at once). Its
+        # offset is a Python int, fixed into the kernel: a captured step, which
+        # must replay at a new position, uses ``write_at`` instead.
         self._k[layer][start:end] = k
         self._v[layer][start:end] = v
 

@@ -540,3 +540,16 @@ def test_cuda_graph_decode_matches_eager():
     graph = generate(model, ids, N_NEW, step="graph", bucket=16, eos_token_id=None)
     assert graph.tokens == eager.tokens
     model.cpu()
+
+
+def test_a_static_step_is_reused_across_requests_with_its_cache():
+    from kvlib.graphs import StaticStep
+
+    model = model_of("qwen2")
+    step = StaticStep(model, make_cache("prealloc", model, max_seq=64), bucket=8, capture=False)
+    first = generate(model, prompt(), N_NEW, step=step, eos_token_id=None)
+    assert first.cache is step.cache and first.tokens == hf_reference("qwen2")[0]
+    step.cache.reset()
+    assert generate(model, prompt(), N_NEW, step=step, eos_token_id=None).tokens == first.tokens
+    with pytest.raises(ValueError, match="a StaticStep brings its own cache"):
+        generate(model, prompt(), 4, step=step, cache=make_cache("prealloc", model))
