@@ -1,0 +1,1 @@
+"""Exercise checks and reference solutions, one module per notebook."""

@@ -1,0 +1,65 @@
+"""Notebook 00's exercise checks: right for the reference, patient with a stub, helpful when wrong."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))
+from exercises import nb00  # noqa: E402
+from kvlib.budget import GIB, load_config, plan_budget  # noqa: E402
+
+
+def stub(*args):
+    raise NotImplementedError  # your code here
+
+
+def k_only(config, bytes_per_element):  # forgets V
+    return config.num_hidden_layers * config.num_key_value_heads * nb00.head_dim(config) * bytes_per_element
+
+
+def query_heads(config, bytes_per_element):  # caches every query head
+    return 2 * config.num_hidden_layers * config.num_attention_heads * nb00.head_dim(config) * bytes_per_element
+
+
+def llama_fp32():  # a T4 does not run fp32 here
+    return plan_budget(load_config("llama-3.2-3b"), torch.float32, 15 * GIB).max_context
+
+
+def llama_16gib():
+    return plan_budget(load_config("llama-3.2-3b"), torch.float16, 16 * GIB).max_context
+
+
+def new_token_only(config, t, bytes_per_element):
+    return nb00.kv_bytes_per_token_solution(config, bytes_per_element)
+
+
+def old_tokens_only(config, t, bytes_per_element):
+    return t * nb00.kv_bytes_per_token_solution(config, bytes_per_element)
+
+
+CASES = [
+    (nb00.check_kv_bytes_per_token, nb00.kv_bytes_per_token_solution, [k_only, query_heads]),
+    (nb00.check_llama_on_t4, nb00.llama_on_t4_solution, [llama_fp32, llama_16gib, lambda: 1]),
+    (nb00.check_cat_step_bytes, nb00.cat_step_bytes_solution, [new_token_only, old_tokens_only]),
+]
+
+
+@pytest.mark.parametrize("check,solution,wrongs", CASES, ids=lambda c: getattr(c, "__name__", ""))
+def test_check(capsys, check, solution, wrongs):
+    check(solution)
+    assert capsys.readouterr().out == "correct\n"
+    check(stub)
+    assert capsys.readouterr().out == "not attempted yet\n"
+    for wrong in wrongs:
+        check(wrong)
+        out = capsys.readouterr().out
+        assert out.count("\n") == 1 and out not in ("correct\n", "not attempted yet\n"), out
+        assert any(ch.isdigit() for ch in out), out  # names the numbers
+
+
+def test_t4_answer_is_bf16s():
+    """The point of exercise 2: fp16 and bf16 are the same size, so the same context."""
+    config = load_config("llama-3.2-3b")
+    assert nb00.llama_on_t4_solution() == plan_budget(config, torch.bfloat16, 15 * GIB).max_context

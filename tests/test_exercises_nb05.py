@@ -1,0 +1,57 @@
+"""Notebook 05's exercise checks: right for the reference, patient with a stub, helpful when wrong."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))
+from exercises import nb05  # noqa: E402
+from kvlib.budget import kv_bytes_per_token  # noqa: E402
+
+
+def stub(*args):
+    raise NotImplementedError  # your code here
+
+
+def uncapped(max_seq, bucket, t):  # forgets that the last span stops at max_seq
+    return -(-t // bucket) * bucket, -(-max_seq // bucket)
+
+
+def floor_graphs(max_seq, bucket, t):  # max_seq // bucket loses the last, partial bucket
+    return min(max_seq, -(-t // bucket) * bucket), max_seq // bucket
+
+
+def off_by_one(max_seq, bucket, t):  # rounds the position, not the count: t=256 reads 512
+    return min(max_seq, (t // bucket + 1) * bucket), -(-max_seq // bucket)
+
+
+def k_only(config, dtype, max_seq, t):  # counts K but not V
+    return (max_seq - t) * kv_bytes_per_token(config, dtype) // 2
+
+
+def one_too_many(config, dtype, max_seq, t):  # max_seq - t + 1 slots
+    return (max_seq - t + 1) * kv_bytes_per_token(config, dtype)
+
+
+CASES = [
+    (nb05.check_bucket_plan, nb05.bucket_plan_solution, [uncapped, floor_graphs, off_by_one]),
+    (nb05.check_mask_extra_bytes, nb05.mask_extra_bytes_solution, [k_only, one_too_many]),
+]
+
+
+@pytest.mark.parametrize("check,solution,wrongs", CASES, ids=lambda c: getattr(c, "__name__", ""))
+def test_check(capsys, check, solution, wrongs):
+    check(solution)
+    assert capsys.readouterr().out == "correct\n"
+    check(stub)
+    assert capsys.readouterr().out == "not attempted yet\n"
+    for wrong in wrongs:
+        check(wrong)
+        out = capsys.readouterr().out
+        assert out.strip() and out not in ("correct\n", "not attempted yet\n"), out
+
+
+def test_not_a_pair(capsys):
+    nb05.check_bucket_plan(lambda max_seq, bucket, t: 256)
+    assert "pair" in capsys.readouterr().out
