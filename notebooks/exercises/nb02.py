@@ -1,0 +1,113 @@
+"""Exercises of notebook 02 (the ``cat`` cache): checks and reference solutions.
+
+Each ``check_*`` prints exactly ``not attempted yet`` when the learner's function
+still raises ``NotImplementedError``, ``correct`` when it is right, and otherwise a
+message naming the numbers that differ. The answers are checked against the meter
+counting a real :class:`kvlib.CatCache` on the ``meta`` device (shapes, no memory),
+so the checks print the same thing on every machine and take no time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlib import CatCache
+from kvlib.budget import head_dim, load_config
+from kvlib.meter import AllocMeter
+
+NOT_ATTEMPTED = "not attempted yet"
+
+# (shipped config, dtype, prompt tokens p, decode steps n)
+CASES = [
+    ("smollm2-135m", torch.float32, 100, 50),
+    ("qwen3-4b", torch.bfloat16, 1000, 40),
+    ("llama-3.2-3b", torch.float16, 7, 13),
+]
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _metered_steps(config, dtype: torch.dtype, prompt: int, steps: int) -> list[int]:
+    """Bytes a CatCache allocates in each of ``steps`` one-token writes after ``prompt`` tokens."""
+    cache = CatCache.for_model(config, device="meta", dtype=dtype)
+    hkv, d = config.num_key_value_heads, head_dim(config)
+    k = torch.empty(prompt, hkv, d, dtype=dtype, device="meta")  # [p, Hkv, D]
+    one = torch.empty(1, hkv, d, dtype=dtype, device="meta")  # [1, Hkv, D]
+    for layer in range(cache.n_layers):  # the prefill: not counted
+        cache.write(layer, 0, k, k)
+    with AllocMeter() as meter:
+        for i in range(steps):  # decode step i writes slot prompt + i in every layer
+            for layer in range(cache.n_layers):
+                cache.write(layer, prompt + i, one, one)
+            meter.mark()
+    return meter.steps
+
+
+# --- 1. one step -----------------------------------------------------------------------
+
+
+def step_bytes_solution(config, dtype: torch.dtype, t: int) -> int:
+    """Bytes one decode step allocates (and copies) when the cache already holds ``t`` tokens.
+
+    Every layer makes new K and V of ``t + 1`` slots: ``2 * layers * (t+1) * kv_heads * head_dim * elt``.
+    """
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * (t + 1) * config.num_key_value_heads * head_dim(config) * element
+
+
+def check_step_bytes(fn) -> None:
+    """``fn(config, dtype, t)`` -> bytes the cat cache allocates in the step that writes slot ``t``."""
+    for name, dtype, prompt, _ in CASES:
+        config = load_config(name)
+        try:
+            got = fn(config, dtype, prompt)
+        except NotImplementedError:
+            print(NOT_ATTEMPTED)
+            return
+        want = _metered_steps(config, dtype, prompt, 1)[0]
+        if int(got) != want:
+            print(
+                f"{name} in {_short(dtype)} holding t={prompt} tokens: you predicted {int(got):,} B, "
+                f"the meter counted {want:,} B for the step that writes slot {prompt}. "
+                f"Hint: each of the {config.num_hidden_layers} layers makes a new K and a new V "
+                f"of t+1 slots."
+            )
+            return
+    print("correct")
+
+
+# --- 2. all the steps: the closed form ---------------------------------------------------
+
+
+def cumulative_bytes_solution(config, dtype: torch.dtype, prompt: int, steps: int) -> int:
+    """Bytes allocated (and copied) by ``steps`` decode steps after a ``prompt``-token prefill.
+
+    Step ``i`` holds ``prompt + i + 1`` slots afterwards, so the total is
+    ``per_token * sum_{i=0}^{n-1} (p + i + 1) = per_token * (n*p + n*(n+1)/2)``:
+    linear in the prompt, quadratic in the number of steps.
+    """
+    element = torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * element
+    return per_token * (steps * prompt + steps * (steps + 1) // 2)
+
+
+def check_cumulative_bytes(fn) -> None:
+    """``fn(config, dtype, prompt, steps)`` -> total bytes the cat cache allocates over ``steps`` steps."""
+    for name, dtype, prompt, steps in CASES:
+        config = load_config(name)
+        try:
+            got = fn(config, dtype, prompt, steps)
+        except NotImplementedError:
+            print(NOT_ATTEMPTED)
+            return
+        want = sum(_metered_steps(config, dtype, prompt, steps))
+        if int(got) != want:
+            print(
+                f"{name} in {_short(dtype)}, prompt p={prompt}, n={steps} steps: you predicted "
+                f"{int(got):,} B, the meter counted {want:,} B in total. Hint: step i leaves "
+                f"p+i+1 slots, for i = 0 .. n-1; sum them and multiply by the bytes per token."
+            )
+            return
+    print("correct")

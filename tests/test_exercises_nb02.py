@@ -1,0 +1,54 @@
+"""Notebook 02's exercise checks: right for the reference, patient with a stub, helpful when wrong."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))
+from exercises import nb02  # noqa: E402
+
+
+def stub(*args):
+    raise NotImplementedError  # your code here
+
+
+def step_off_by_one(config, dtype, t):  # forgets the slot being written: t, not t+1
+    return nb02.step_bytes_solution(config, dtype, t) // (t + 1) * t
+
+
+def step_k_only(config, dtype, t):  # counts K and forgets V
+    return nb02.step_bytes_solution(config, dtype, t) // 2
+
+
+def cumulative_linear(config, dtype, prompt, steps):  # every step priced at the prompt length
+    return steps * nb02.step_bytes_solution(config, dtype, prompt)
+
+
+def cumulative_from_zero(config, dtype, prompt, steps):  # forgets the prompt already cached
+    return nb02.cumulative_bytes_solution(config, dtype, 0, steps)
+
+
+CASES = [
+    (nb02.check_step_bytes, nb02.step_bytes_solution, [step_off_by_one, step_k_only]),
+    (nb02.check_cumulative_bytes, nb02.cumulative_bytes_solution, [cumulative_linear, cumulative_from_zero]),
+]
+
+
+@pytest.mark.parametrize("check,solution,wrongs", CASES, ids=lambda c: getattr(c, "__name__", ""))
+def test_check(capsys, check, solution, wrongs):
+    check(solution)
+    assert capsys.readouterr().out == "correct\n"
+    check(stub)
+    assert capsys.readouterr().out == "not attempted yet\n"
+    for wrong in wrongs:
+        check(wrong)
+        out = capsys.readouterr().out
+        assert out.strip() and out not in ("correct\n", "not attempted yet\n"), out
+
+
+def test_closed_form_is_the_sum_of_steps():
+    config = nb02.load_config("smollm2-135m")
+    p, n = 37, 11
+    total = sum(nb02.step_bytes_solution(config, nb02.torch.float32, p + i) for i in range(n))
+    assert nb02.cumulative_bytes_solution(config, nb02.torch.float32, p, n) == total
