@@ -1,13 +1,10 @@
 """The memory-bandwidth limit of decoding (promise 7 of the course).
 
-A decode step does little arithmetic per byte: every weight is read once to
-produce one token, and every cached K/V of the context is read once by
-attention. So a step cannot take less than ``decode_bytes / bandwidth``
-seconds, whatever the kernels do. Measured time over that floor is the memory
-bandwidth utilisation (MBU) of the token loop.
+A decode step does little arithmetic per byte: every weight is read once to produce one token, and every
+cached K/V of the context is read once by attention. So a step cannot take less than ``decode_bytes /
+bandwidth`` seconds, whatever the kernels do. Measured time over that floor is the memory bandwidth
+utilisation (MBU) of the token loop.
 """
-
-from __future__ import annotations
 
 import torch
 from transformers import PretrainedConfig
@@ -18,31 +15,25 @@ from kvlib.timing import time_fn
 __all__ = ["decode_bytes", "floor_s_per_token", "mbu", "measure_bandwidth"]
 
 
-def decode_bytes(
-    config: PretrainedConfig, dtype: torch.dtype, context: int, batch: int = 1
-) -> int:
-    """Bytes one decode step must move: the floor under its time.
+def decode_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int, batch: int = 1) -> int:
+    """Bytes one decode step must move: all weights once, plus the K/V of ``context`` tokens.
 
-    All weights once, plus the K/V of ``context`` tokens. The embedding lookup
-    reads one row per sequence, not the table: a tied table is read whole once,
-    as the output head; an untied one only for its ``batch`` rows. Activations
-    and the new token's K/V write are left out: small, and this is a floor.
+    The embedding lookup reads one row per sequence, not the table: a tied table is read whole once, as
+    the output head; an untied one only for its ``batch`` rows. Activations and the new token's K/V
+    write are left out: small, and this is a floor.
     """
     embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
     weights = (param_count(config) - embedding + batch * config.hidden_size) * dtype.itemsize
     return weights + kv_bytes_per_token(config, dtype, batch) * context
 
 
-def measure_bandwidth(
-    device: torch.device | str, nbytes: int | None = None, repeats: int = 5
-) -> float:
+def measure_bandwidth(device: torch.device | str, nbytes: int | None = None, repeats: int = 5) -> float:
     """Achievable bandwidth in bytes/s: a large device-to-device copy, timed.
 
-    A copy reads ``nbytes`` and writes ``nbytes``, so it moves ``2 * nbytes``.
-    The buffers (256 MiB on CUDA, 64 MiB on CPU by default) are far larger than
-    any cache, so this is memory, not cache, bandwidth. It is what a copy
-    achieves, a little under the datasheet number, and the fair yardstick for
-    a decode step, which is also a stream of reads.
+    A copy reads ``nbytes`` and writes ``nbytes``, so it moves ``2 * nbytes``. The buffers (256 MiB on
+    CUDA, 64 MiB on CPU by default) are far larger than the processor's on-chip caches, so this is
+    memory bandwidth. It is what a copy achieves, a little under the datasheet number, and the fair
+    yardstick for a decode step, which is also a stream of reads.
     """
     device = torch.device(device)
     if nbytes is None:

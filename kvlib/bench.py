@@ -1,19 +1,14 @@
 """``python -m kvlib.bench``: every reference figure of the course, from one run.
 
-In one process, on one model and one prompt, at several context lengths:
-decode time per token for ``kvlib.generate`` with the preallocated cache and
-with the ``cat`` cache, and for ``transformers``' ``model.generate`` with its
-Dynamic and Static caches; the cache bytes each of kvlib's caches allocates
-per decode step (the meter); on a GPU, memory, the longest context each of
-kvlib's caches reaches under the budget, and CUDA-graph decode against eager;
-the bandwidth floor and the fraction of it reached (MBU). Speed is compared as
-ratios measured here, in the same run.
+One process, one model, one prompt, several context lengths: decode time per token for ``kvlib.generate``
+with the preallocated and the ``cat`` cache, and for ``transformers``' ``model.generate`` with its Dynamic
+and Static caches; the cache bytes kvlib's caches allocate per decode step (the meter); the bandwidth
+floor and the fraction of it reached (MBU); on a GPU, memory, the longest context each kvlib cache
+reaches under the budget, and CUDA-graph decode against eager. Speed is compared as ratios, in one run.
 
-A progress bar goes to stderr; the last line on stdout is one JSON object.
-``--out DIR`` also writes the figures (PNG + JSON, labelled) and ``bench.md``.
+A progress bar goes to stderr; the last line on stdout is one JSON object. ``--out DIR`` also writes the
+figures (PNG + JSON, labelled) and ``bench.md``.
 """
-
-from __future__ import annotations
 
 import argparse
 import gc
@@ -29,10 +24,10 @@ from transformers.utils import logging as hf_logging
 
 from . import plots
 from .bandwidth import decode_bytes, floor_s_per_token, measure_bandwidth
-from .budget import plan_budget
+from .budget import GIB, plan_budget
 from .cat_cache import CatCache
 from .decoder import forward
-from .env import describe, label
+from .env import default_device, describe, label
 from .generate import generate
 from .kv_cache import KVCache
 from .memory import cap_memory, memory_stats
@@ -41,6 +36,7 @@ from .models import load_model
 from .timing import StepTimer
 
 CACHES = ("prealloc", "cat", "hf_dynamic", "hf_static")
+METERED = ("prealloc", "cat")  # kvlib's own caches: the meter can split their bytes out
 
 
 class _Clock(StoppingCriteria):
@@ -65,16 +61,14 @@ def _free(device) -> None:
 
 def ms_per_token(model, prompt, kind: str, steps: int, chunk: int) -> float:
     """Median decode-step time, in ms, after ``prompt``: the prefill is not counted."""
-    if kind in ("prealloc", "cat"):
-        out = generate(model, prompt, steps + 1, cache=kind, eos_token_id=None, prefill_chunk=chunk, timed=True)
-        times = out.step_s
+    if kind in METERED:
+        times = generate(model, prompt, steps + 1, cache=kind, eos_token_id=None, prefill_chunk=chunk,
+                         timed=True).step_s
     else:
         clock = _Clock(model.device)
-        model.generate(
-            prompt, max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False,
-            cache_implementation="static" if kind == "hf_static" else None,
-            stopping_criteria=StoppingCriteriaList([clock]), pad_token_id=0,
-        )
+        model.generate(prompt, max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False,
+                       cache_implementation="static" if kind == "hf_static" else None,
+                       stopping_criteria=StoppingCriteriaList([clock]), pad_token_id=0)
         times = clock.timer.times_s
     return 1e3 * statistics.median(times)
 
@@ -82,8 +76,8 @@ def ms_per_token(model, prompt, kind: str, steps: int, chunk: int) -> float:
 def cache_bytes_per_step(model, context: int, kind: str) -> int:
     """Bytes the cache allocates in the decode step that writes slot ``context`` (the meter).
 
-    The cache is filled with ``context`` slots of zeros first: what a step
-    allocates depends on how much the cache holds, not on what.
+    The cache is filled with ``context`` slots of zeros first: what a step allocates depends on how much
+    the cache holds, not on what.
     """
     config, device, dtype = model.config, model.device, model.dtype
     if kind == "prealloc":
@@ -94,19 +88,18 @@ def cache_bytes_per_step(model, context: int, kind: str) -> int:
         for layer in range(cache.n_layers):
             cache.write(layer, 0, zeros, zeros)
     cache.seq_len = context
-    meter = AllocMeter()
-    with meter:
-        forward(model, torch.zeros(1, 1, dtype=torch.long, device=device), MeteredCache(cache, meter), context)
+    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+    with AllocMeter() as meter:
+        forward(model, token, MeteredCache(cache, meter), context)
     return meter.by_region.get("cache", 0)
 
 
 def longest_context(model, budget: int, chunk: int) -> dict:
     """GPU: the longest context each kvlib cache reaches under the cap, against the arithmetic.
 
-    prealloc: the largest cache that can be made and decoded into, trying the
-    arithmetic limit and then 1% less at a time (slots past the prompt are
-    zeros, which cost the same reads as real keys). cat: grown ``chunk`` tokens
-    per write until the allocator gives up, recording memory as it grows.
+    prealloc: the largest cache that can be made and decoded into, trying the arithmetic limit and then
+    1% less at a time (slots past the prompt are zeros, which cost the same reads as real keys). cat:
+    grown ``chunk`` tokens per write until the allocator gives up, recording memory as it grows.
     """
     device, config = model.device, model.config
     limit = plan_budget(config, model.dtype, budget, prefill_chunk=chunk).max_context
@@ -140,34 +133,33 @@ def longest_context(model, budget: int, chunk: int) -> dict:
 def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=None, progress=True) -> dict:
     """Everything above for one model on one device; returns the results dict printed as JSON."""
     device = torch.device(device)
-    on_gpu = device.type == "cuda"
-    cap = cap_memory(budget_gib, device)
+    on_gpu, cap = device.type == "cuda", cap_memory(budget_gib, device)
     model, _ = load_model(model_name, device=device)
     config, dtype = model.config, model.dtype
     contexts = contexts or ([1024, 4096, 16384] if on_gpu else [512, 2048, 8192])
     steps, chunk = steps or (16 if on_gpu else 8), 512
-    prompt = torch.randint(0, config.vocab_size, (1, max(contexts)), generator=torch.Generator().manual_seed(0))
-    prompt = prompt.to(device)
-    where = label(device, dtype, cap)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, config.vocab_size, (1, max(contexts)), generator=gen).to(device)
     res = {
-        "device": describe(device, dtype, cap), "label": where, "model": model_name,
+        "device": describe(device, dtype, cap), "label": label(device, dtype, cap), "model": model_name,
         "dtype": str(dtype).removeprefix("torch."), "budget_gib": budget_gib if cap.active else None,
         "cap": cap.note, "contexts": contexts, "steps": steps,
         # every per-context list below is aligned with "contexts"; None = not measured (OOM)
-        "caches": {k: {"ms_per_token": []} for k in CACHES},
+        "caches": {k: {"ms_per_token": []} | ({"cache_bytes_per_step": []} if k in METERED else {})
+                   for k in CACHES},
     }
-    for k in ("prealloc", "cat"):
-        res["caches"][k]["cache_bytes_per_step"] = []
     jobs = [(c, k) for c in contexts for k in CACHES]
     for c, k in tqdm(jobs, desc="decode", file=sys.stderr, disable=not progress):
         _free(device)
+        ms = nbytes = None  # an OOM leaves None: recorded as missing, never guessed
         try:
             ms = ms_per_token(model, prompt[:, :c], k, steps, chunk)
-            if k in ("prealloc", "cat"):
-                res["caches"][k]["cache_bytes_per_step"].append(cache_bytes_per_step(model, c, k))
+            nbytes = cache_bytes_per_step(model, c, k) if k in METERED else None
         except torch.OutOfMemoryError:
-            ms = None  # recorded as missing, never guessed
+            pass
         res["caches"][k]["ms_per_token"].append(ms)
+        if k in METERED:
+            res["caches"][k]["cache_bytes_per_step"].append(nbytes)
     bw = measure_bandwidth(device)
     floor = [1e3 * floor_s_per_token(decode_bytes(config, dtype, c), bw) for c in contexts]
     res["bandwidth"] = {
@@ -177,13 +169,10 @@ def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=
     }
     if on_gpu:
         c = contexts[-1]
-        res["cuda_graph"] = {
-            "context": c,
-            "eager_ms": res["caches"]["prealloc"]["ms_per_token"][-1],
-            "graph_ms": 1e3 * statistics.median(generate(
-                model, prompt[:, :c], steps + 1, eos_token_id=None, prefill_chunk=chunk, step="graph",
-                bucket=1024, timed=True).step_s),
-        }
+        graph = generate(model, prompt[:, :c], steps + 1, eos_token_id=None, prefill_chunk=chunk,
+                         step="graph", bucket=1024, timed=True)
+        res["cuda_graph"] = {"context": c, "eager_ms": res["caches"]["prealloc"]["ms_per_token"][-1],
+                             "graph_ms": 1e3 * statistics.median(graph.step_s)}
         res["longest"] = longest_context(model, cap.budget_bytes, chunk)
         res["memory"] = memory_stats(device)
     return res
@@ -191,21 +180,22 @@ def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=
 
 def figures(res: dict, out: Path) -> None:
     """The reference figures the notebooks load, each with its label and numbers."""
-    where, cs = res["label"], res["contexts"]
-    measured = lambda values: [(c, x) for c, x in zip(cs, values) if x is not None]  # noqa: E731
-    series = {k: tuple(zip(*measured(v["ms_per_token"]))) for k, v in res["caches"].items()}
+    where, cs, caches = res["label"], res["contexts"], res["caches"]
+    measured = lambda values: tuple(zip(*[(c, x) for c, x in zip(cs, values) if x is not None]))  # noqa: E731
+    series = {k: measured(v["ms_per_token"]) for k, v in caches.items()}
     plots.save(plots.time_per_step(series, where), "bench_time", res, where, out)
-    per_step = {k: tuple(zip(*measured(res["caches"][k]["cache_bytes_per_step"]))) for k in ("prealloc", "cat")}
-    fig = plots.bytes_per_step(per_step, where)
-    plots.save(fig, "bench_bytes", {k: res["caches"][k]["cache_bytes_per_step"] for k in per_step} | {"contexts": cs},
+    fig = plots.bytes_per_step({k: measured(caches[k]["cache_bytes_per_step"]) for k in METERED}, where)
+    plots.save(fig, "bench_bytes", {k: caches[k]["cache_bytes_per_step"] for k in METERED} | {"contexts": cs},
                where, out)
-    pre = measured(zip(res["caches"]["prealloc"]["ms_per_token"], res["bandwidth"]["floor_ms"]))
-    fig = plots.roofline([c for c, _ in pre], [m for _, (m, f) in pre], [f for _, (m, f) in pre], where)
+    ms, floor = caches["prealloc"]["ms_per_token"], res["bandwidth"]["floor_ms"]
+    ok = [i for i, m in enumerate(ms) if m is not None]  # an OOM context has no point to plot
+    fig = plots.roofline([cs[i] for i in ok], [ms[i] for i in ok], [floor[i] for i in ok], where)
     plots.save(fig, "bench_roofline", res["bandwidth"] | {"contexts": cs}, where, out)
     if "longest" in res:
         trace = res["longest"]["cat_trace"]
-        rows = {"cat (grown per chunk)": {k: [r[k] for r in trace] for k in ("tokens", "allocated", "reserved")}}
-        fig = plots.memory_vs_tokens(rows, where, budget_bytes=int(res["budget_gib"] * 2**30) if res["budget_gib"] else None)
+        rows = {k: [r[k] for r in trace] for k in ("tokens", "allocated", "reserved")}
+        budget = int(res["budget_gib"] * GIB) if res["budget_gib"] else None
+        fig = plots.memory_vs_tokens({"cat (grown per chunk)": rows}, where, budget_bytes=budget)
         plots.save(fig, "bench_memory", res["longest"], where, out)
     (out / "bench.md").write_text(table(res))
 
@@ -229,7 +219,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, default=None, help="write figures, JSON and bench.md here")
     a = p.parse_args(argv)
     hf_logging.set_verbosity_error()
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(a.device or default_device())
     model = a.model or ("random:qwen3-4b" if device.type == "cuda" else "smollm2-135m")
     quick = dict(contexts=[64, 256], steps=3) if a.quick else {}
     res = run(model, device, a.budget_gib, **quick)

@@ -1,18 +1,16 @@
 """The naive baseline: a cache that grows by ``torch.cat`` on every write.
 
-This is what ``transformers``' ``DynamicCache`` does (notebook 02 shows it in
-the installed library): per layer, ``[1, n_kv_heads, seq, head_dim]`` tensors,
-and each new token makes new ones of ``seq + 1`` slots, copying the old
-contents across. It has the same ``write`` / ``view`` / ``reset`` /
-``seq_len`` / ``nbytes`` interface as :class:`kvlib.KVCache`, so the same token
-loop runs either one and any difference measured is the cache's alone.
+This is what ``transformers``' ``DynamicCache`` does (notebook 02 shows it in the installed library):
+per layer, ``[1, n_kv_heads, seq, head_dim]`` tensors, and each new token makes new ones of ``seq + 1``
+slots, copying the old contents across. It has the same ``write`` / ``view`` / ``reset`` / ``seq_len`` /
+``nbytes`` interface as :class:`kvlib.KVCache`, so the same token loop runs either one and any
+difference measured is the cache's alone.
 """
-
-from __future__ import annotations
 
 import torch
 
 from .budget import head_dim
+from .env import default_device
 from .kv_cache import MIB, check_kv
 
 __all__ = ["CatCache"]
@@ -21,29 +19,20 @@ __all__ = ["CatCache"]
 class CatCache:
     """Per-layer K/V that are replaced by a longer copy on every write.
 
-    A ``cat`` can only put new slots at the end: a write at ``start`` first drops
-    any slots from ``start`` on (as ``DynamicCache.crop`` does), and a write past
-    the end is refused. ``max_seq`` is ``None``: nothing bounds it but memory,
-    which is the problem.
+    A ``cat`` can only put new slots at the end: a write at ``start`` first drops any slots from
+    ``start`` on (as ``DynamicCache.crop`` does), and a write past the end is refused. ``max_seq`` is
+    ``None``: nothing bounds it but memory, which is the problem.
     """
 
     max_seq = None
 
-    def __init__(
-        self,
-        n_layers: int,
-        n_kv_heads: int,
-        head_dim: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.bfloat16,
-    ) -> None:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
         if min(n_layers, n_kv_heads, head_dim) < 1:
             raise ValueError(f"bad shape: layers={n_layers} kv_heads={n_kv_heads} head_dim={head_dim}")
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
         self.n_layers, self.n_kv_heads, self.head_dim = int(n_layers), int(n_kv_heads), int(head_dim)
-        self._empty = torch.empty(1, self.n_kv_heads, 0, self.head_dim, dtype=dtype, device=device)
+        self._empty = torch.empty(1, self.n_kv_heads, 0, self.head_dim, dtype=dtype,
+                                  device=default_device() if device is None else device)
         self.reset()
 
     @classmethod
@@ -73,9 +62,7 @@ class CatCache:
 
     def reset(self) -> None:
         """New request: drop every layer's tensors (the allocator may keep the blocks)."""
-        self.k = [self._empty] * self.n_layers
-        self.v = [self._empty] * self.n_layers
-        self.seq_len = 0
+        self.k, self.v, self.seq_len = [self._empty] * self.n_layers, [self._empty] * self.n_layers, 0
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``[n, n_kv_heads, head_dim]``: allocate ``start + n`` slots, copy all."""
@@ -97,7 +84,5 @@ class CatCache:
         return self.k[layer][:, :, :seq], self.v[layer][:, :, :seq]
 
     def __repr__(self) -> str:
-        return (
-            f"CatCache(layers={self.n_layers}, kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
-            f"dtype={self.dtype}, {self.mib:.1f} MiB, seq_len={self.seq_len})"
-        )
+        return (f"CatCache(layers={self.n_layers}, kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
+                f"dtype={self.dtype}, {self.mib:.1f} MiB, seq_len={self.seq_len})")

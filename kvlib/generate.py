@@ -1,12 +1,9 @@
 """The course's token loop: prefill, then one token at a time, over any cache.
 
-:func:`generate` runs :func:`kvlib.decoder.forward` over a preallocated
-:class:`KVCache` or the ``cat`` baseline, picks tokens on the device (greedy,
-or top-k / top-p sampling from a seeded generator) and keeps host syncs off the
-hot path: EOS is looked for once every ``EOS_CHECK_EVERY`` steps.
+:func:`generate` runs :func:`kvlib.decoder.forward` over a preallocated :class:`KVCache` or the ``cat``
+baseline, picks tokens on the device (greedy, or top-k / top-p sampling from a seeded generator) and
+keeps host syncs off the hot path: EOS is looked for once every ``EOS_CHECK_EVERY`` steps.
 """
-
-from __future__ import annotations
 
 from dataclasses import dataclass
 
@@ -44,9 +41,9 @@ def _pick(logits, temperature: float, top_k, top_p, generator) -> torch.Tensor:
 class Generation:
     """What :func:`generate` returns.
 
-    ``step_s[i]`` is the time of decode step i, which attends over
-    ``prompt_len + i + 1`` slots (``timed=True`` only: it synchronises each step).
-    ``cache`` holds the prompt and every new token but the last.
+    ``step_s[i]`` is the time of decode step i, which attends over ``prompt_len + i + 1`` slots
+    (``timed=True`` only; a timed run looks for EOS at every step, a host sync, so no step is timed past
+    it). ``cache`` holds the prompt and every new token but the last.
     """
 
     tokens: list[int]
@@ -57,62 +54,33 @@ class Generation:
     logits: list[torch.Tensor] | None = None
 
 
-def _make_cache(kind, model, max_seq: int, layout: str):
-    device, dtype = model.device, model.dtype
-    if kind == "prealloc":
-        return KVCache.for_model(model.config, max_seq, device=device, dtype=dtype, layout=layout)
-    if kind == "cat":
-        return CatCache.for_model(model.config, device=device, dtype=dtype)
-    if isinstance(kind, str):
-        raise ValueError(f"cache must be 'prealloc', 'cat' or a cache object, not {kind!r}")
-    return kind
-
-
 @torch.no_grad()
-def generate(
-    model,
-    input_ids: torch.Tensor,
-    max_new_tokens: int,
-    *,
-    cache="prealloc",
-    max_seq: int | None = None,
-    layout: str = "head",
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    eos_token_id="auto",
-    prefill_chunk: int | None = None,
-    step: str | StaticStep = "eager",
-    bucket: int = 256,
-    timed: bool = False,
-    return_logits: bool = False,
-    on_step=None,
-) -> Generation:
+def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, cache="prealloc",
+             max_seq: int | None = None, layout: str = "head", temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+             eos_token_id="auto", prefill_chunk: int | None = None, step: str | StaticStep = "eager",
+             bucket: int = 256, timed: bool = False, return_logits: bool = False, on_step=None) -> Generation:
     """Generate up to ``max_new_tokens`` after ``input_ids`` ``[1, n]`` (or ``[n]``).
 
-    ``cache``: ``"prealloc"`` (a :class:`KVCache` of ``max_seq`` slots, default
-    prompt + new tokens), ``"cat"`` (a :class:`CatCache`), or a cache object,
-    which is continued from its ``seq_len`` (``reset()`` it for a new request).
-    Greedy unless ``temperature > 0``; then top-k / top-p sampling from a
-    generator seeded with ``seed``. Stops after an EOS token (``"auto"``: the
-    model's generation config; ``None``: never). ``prefill_chunk`` splits a long
-    prompt so the prefill's workspace stays bounded. ``on_step(step, seq_len)``
-    is called after each decode step (for memory traces and meters).
+    ``cache``: ``"prealloc"`` (a :class:`KVCache` of ``max_seq`` slots, default prompt + new tokens),
+    ``"cat"`` (a :class:`CatCache`), or a cache object, which is continued from its ``seq_len``
+    (``reset()`` it for a new request). Greedy unless ``temperature > 0``; then top-k / top-p sampling
+    from a generator seeded with ``seed``. Stops after an EOS token (``"auto"``: the model's generation
+    config; ``None``: never). ``prefill_chunk`` splits a long prompt so the prefill's workspace stays
+    bounded. ``on_step(step, seq_len)`` is called after each decode step (for memory traces and meters).
 
-    ``step`` is how a decode step runs: ``"eager"`` slices attention to the
-    length; ``"static"`` reads fixed spans of ``bucket`` slots with a mask (any
-    device); ``"graph"`` is ``"static"`` captured as CUDA graphs and replayed
-    (:mod:`kvlib.graphs`); pass a :class:`StaticStep` itself to keep its graphs
-    from one request to the next (its cache is then the cache). Static and graph
-    steps give the same tokens; the eager step's unmasked attention may differ
-    from them in the last bits, which in fp32 has not flipped a token in the
-    tests but in bf16 can.
+    ``step`` is how a decode step runs: ``"eager"`` slices attention to the length; ``"static"`` reads
+    fixed spans of ``bucket`` slots with a mask (any device); ``"graph"`` is ``"static"`` captured as
+    CUDA graphs and replayed (:mod:`kvlib.graphs`); pass a :class:`StaticStep` itself to keep its graphs
+    from one request to the next (its cache is then the cache). Static and graph steps give the same
+    tokens; the eager step's unmasked attention may differ from them in the last bits, which in fp32 has
+    not flipped a token in the tests but in bf16 can.
     """
     check_supported(model)
+    device = model.device
     if input_ids.dim() > 2 or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
         raise ValueError(f"batch 1 only: input_ids is {list(input_ids.shape)}, expected [1, n] or [n]")
-    ids = input_ids.reshape(1, -1).to(model.device)
+    ids = input_ids.reshape(1, -1).to(device)
     n = ids.shape[1]
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"need a prompt and max_new_tokens >= 1, got {n} prompt tokens, {max_new_tokens}")
@@ -122,23 +90,22 @@ def generate(
         if cache not in ("prealloc", step.cache):
             raise ValueError("a StaticStep brings its own cache: pass cache='prealloc' or step.cache")
         cache = step.cache
-    cache = _make_cache(cache, model, max_seq or n + max_new_tokens, layout)
+    if cache == "prealloc":
+        cache = KVCache.for_model(model.config, max_seq or n + max_new_tokens, device=device,
+                                  dtype=model.dtype, layout=layout)
+    elif cache == "cat":
+        cache = CatCache.for_model(model.config, device=device, dtype=model.dtype)
+    elif isinstance(cache, str):
+        raise ValueError(f"cache must be 'prealloc', 'cat' or a cache object, not {cache!r}")
     start = cache.seq_len
     if cache.max_seq is not None and start + n + max_new_tokens > cache.max_seq:
-        raise ValueError(
-            f"KV overflow: {start} cached + {n} prompt + {max_new_tokens} new tokens "
-            f"> max_seq={cache.max_seq}"
-        )
+        raise ValueError(f"KV overflow: {start} cached + {n} prompt + {max_new_tokens} new tokens "
+                         f"> max_seq={cache.max_seq}")
     if eos_token_id == "auto":
         eos_token_id = model.generation_config.eos_token_id
-    eos = torch.tensor(
-        [] if eos_token_id is None else eos_token_id, device=model.device, dtype=torch.long
-    ).reshape(-1)
-    generator = None
-    if temperature > 0:
-        generator = torch.Generator(model.device)
-        generator.manual_seed(0 if seed is None else seed)
-
+    eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device, dtype=torch.long)
+    eos = eos.reshape(-1)
+    generator = torch.Generator(device).manual_seed(0 if seed is None else seed) if temperature > 0 else None
     if isinstance(step, StaticStep):
         decode = step
     elif step == "eager":
@@ -148,7 +115,7 @@ def generate(
     else:
         raise ValueError(f"step must be 'eager', 'static' or 'graph', not {step!r}")
 
-    timer = StepTimer(model.device) if timed else None
+    timer = StepTimer(device) if timed else None
     if timer is not None:
         timer.start()
     chunk = prefill_chunk or n
@@ -157,7 +124,7 @@ def generate(
     if timer is not None:
         timer.stop()
 
-    out = torch.empty(max_new_tokens, dtype=torch.long, device=model.device)
+    out = torch.empty(max_new_tokens, dtype=torch.long, device=device)
     kept_logits = [] if return_logits else None
     pos, produced = start + n, 0
     while True:
@@ -190,11 +157,5 @@ def generate(
             if kept_logits is not None:
                 kept_logits = kept_logits[: len(tokens)]
     times = timer.times_s if timer is not None else None
-    return Generation(
-        tokens=tokens,
-        prompt_len=n,
-        cache=cache,
-        prefill_s=times[0] if times else None,
-        step_s=times[1 : len(tokens)] if times else None,
-        logits=kept_logits,
-    )
+    return Generation(tokens=tokens, prompt_len=n, cache=cache, prefill_s=times[0] if times else None,
+                      step_s=times[1 : len(tokens)] if times else None, logits=kept_logits)

@@ -1,25 +1,21 @@
 """Static shapes, then a CUDA graph: what a cache that never moves makes possible.
 
-A decode step launches hundreds of small kernels; for a small batch the GPU
-often waits on the Python that launches them. A CUDA graph records the step's
-kernels once and replays them with one launch, but only if every tensor the
-step touches keeps its address and shape. The preallocated cache gives the
+A decode step launches hundreds of small kernels; for a small batch the GPU often waits on the Python
+that launches them. A CUDA graph records the step's kernels once and replays them with one launch, but
+only if every tensor the step touches keeps its address and shape. The preallocated cache gives the
 addresses; the rest is made static here:
 
-- the input token and the position live in fixed device buffers
-  (``KVCache.write_at`` takes the position as a tensor);
-- attention reads a fixed ``span`` of slots and masks those past the position.
-  Slicing to the exact length would change shape every step; masking the whole
-  buffer would read ``max_seq`` slots at every step. Spans in buckets of
-  ``bucket`` slots sit between: one graph per bucket, at most ``bucket - 1``
+- the input token and the position live in fixed device buffers (``KVCache.write_at`` takes the position
+  as a tensor);
+- attention reads a fixed ``span`` of slots and masks those past the position. Slicing to the exact
+  length would change shape every step; masking the whole buffer would read ``max_seq`` slots at every
+  step. Spans in buckets of ``bucket`` slots sit between: one graph per bucket, at most ``bucket - 1``
   masked slots read.
 
-:class:`StaticStep` runs that step with ``capture=False`` on any device (the
-CPU tests check its tokens against the eager loop), and captures and replays it
-on CUDA. Sampling stays outside the graph: its RNG state would be frozen in.
+:class:`StaticStep` runs that step with ``capture=False`` on any device (the CPU tests check its tokens
+against the eager loop), and captures and replays it on CUDA. Sampling stays outside the graph: its RNG
+state would be frozen in.
 """
-
-from __future__ import annotations
 
 import torch
 
@@ -31,8 +27,8 @@ __all__ = ["StaticStep"]
 class StaticStep:
     """``step(token [1, 1], pos) -> logits [1, vocab]`` with static shapes.
 
-    The logits are the graph's output buffer: read them (pick the next token)
-    before the next call overwrites them.
+    The logits are the graph's output buffer: read them (pick the next token) before the next call
+    overwrites them.
     """
 
     def __init__(self, model, cache, *, bucket: int = 256, capture: bool | None = None) -> None:

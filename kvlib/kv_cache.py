@@ -1,39 +1,32 @@
 """Preallocated KV. The cache is written in place and never grown.
 
-A ``cat`` along the length axis on every decode step reallocates and copies the
-whole cache (notebook 02 measures it: bytes per step grow with the context, in
-total quadratically, and on a 12 GB card the allocator dies well before the
-arithmetic said it would). So the shape is fixed when the cache is made:
+A ``cat`` along the length axis on every decode step reallocates and copies the whole cache (notebook 02
+measures it: bytes per step grow with the context, in total quadratically, and on a 12 GB card the
+allocator dies well before the arithmetic said it would). So the shape is fixed when the cache is made:
 
     k, v: [n_layers, max_seq, n_kv_heads, head_dim]
 
-and a step does ``k[layer, t] = k_new``: one copy into an existing slot. There
-is no ``torch.cat`` in this module, and :meth:`KVCache.view` hands out strided
-views, not clones.
+and a step does ``k[layer, t] = k_new``: one copy into an existing slot. There is no ``torch.cat`` in
+this module, and :meth:`KVCache.view` hands out strided views, not clones.
 
-That shape is the one the token loop *writes* (a projection gives
-``[n, n_kv_heads, head_dim]`` per layer); SDPA *reads* ``[1, heads, seq,
-head_dim]``, a ``permute`` away. Where the bytes physically sit is a separate
-choice, ``layout``:
+That shape is the one the token loop *writes* (a projection gives ``[n, n_kv_heads, head_dim]`` per
+layer); SDPA *reads* ``[1, heads, seq, head_dim]``, a ``permute`` away. Where the bytes physically sit
+is a separate choice, ``layout``; either way ``k``/``v`` have the logical shape above and are views of
+the storage, so the layout changes strides, never results:
 
-- ``"head"`` (default): storage ``[n_layers, n_kv_heads, max_seq, head_dim]``.
-  Each head's ``[seq, head_dim]`` block is contiguous, so the view SDPA gets is
-  as good as a contiguous tensor. The write is a strided copy of a few KiB.
-- ``"seq"``: storage in the logical order, the original design. The write is
-  one contiguous copy, but SDPA reads each head's keys ``n_kv_heads * head_dim``
-  elements apart. Notebook 04 measures what that costs on the reader's device;
-  the CPU kernels read it more slowly than a head-major slice, which a
+- ``"head"`` (default): storage ``[n_layers, n_kv_heads, max_seq, head_dim]``. Each head's ``[seq,
+  head_dim]`` block is contiguous, so the view SDPA gets is as good as a contiguous tensor. The write is
+  a strided copy of a few KiB.
+- ``"seq"``: storage in the logical order, the original design. The write is one contiguous copy, but
+  SDPA reads each head's keys ``n_kv_heads * head_dim`` elements apart. Notebook 04 measures what that
+  costs on the reader's device; the CPU kernels read it more slowly than a head-major slice, which a
   ``cat`` cache always hands them, so it is not the default.
-
-Either way ``k``/``v`` have the logical shape above and are views of the
-storage; the layout changes strides, never results.
 """
-
-from __future__ import annotations
 
 import torch
 
 from .budget import head_dim
+from .env import default_device
 
 __all__ = ["KVCache", "LAYOUTS", "check_kv"]
 
@@ -44,8 +37,8 @@ LAYOUTS = ("head", "seq")
 def check_kv(cache, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
     """Refuse a write that would be wrong, before anything is written.
 
-    Shared by every cache with the ``write(layer, start, k, v)`` contract, so
-    they refuse the same things with the same words.
+    Shared by every cache with the ``write(layer, start, k, v)`` contract, so they refuse the same
+    things with the same words.
     """
     if not 0 <= layer < cache.n_layers:
         raise IndexError(f"layer {layer} out of range for n_layers={cache.n_layers}")
@@ -54,14 +47,10 @@ def check_kv(cache, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) ->
     want = (cache.n_kv_heads, cache.head_dim)
     for name, t in (("k", k), ("v", v)):
         if t.dim() != 3 or tuple(t.shape[1:]) != want:
-            raise ValueError(
-                f"{name} has shape {tuple(t.shape)}, expected [n, {want[0]}, {want[1]}] "
-                f"(n new tokens, n_kv_heads, head_dim)"
-            )
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [n, {want[0]}, {want[1]}] "
+                             f"(n new tokens, n_kv_heads, head_dim)")
         if t.dtype != cache.dtype or t.device != cache.device:
-            raise ValueError(
-                f"{name} is {t.dtype} on {t.device}, cache is {cache.dtype} on {cache.device}"
-            )
+            raise ValueError(f"{name} is {t.dtype} on {t.device}, cache is {cache.dtype} on {cache.device}")
     if k.shape != v.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} disagree")
 
@@ -69,58 +58,39 @@ def check_kv(cache, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) ->
 class KVCache:
     """Two fixed ``[n_layers, max_seq, n_kv_heads, head_dim]`` tensors.
 
-    ``seq_len`` is the number of *valid* slots, owned by the caller (the token
-    loop advances it after all layers have written). Slots past it are zeros
-    that nothing reads.
+    ``seq_len`` is the number of *valid* slots, owned by the caller (the token loop advances it after
+    all layers have written). Slots past it are zeros that nothing reads.
 
-    ``device=None`` means CUDA when there is one, else the CPU: the course runs
-    on laptops too, and a default that crashes there teaches nothing.
+    ``device=None`` means CUDA when there is one, else the CPU: the course runs on laptops too, and a
+    default that crashes there teaches nothing.
     """
 
     __slots__ = ("k", "v", "n_layers", "max_seq", "n_kv_heads", "head_dim", "layout", "seq_len",
                  "_k", "_v", "_k_attn", "_v_attn")
 
-    def __init__(
-        self,
-        n_layers: int,
-        max_seq: int,
-        n_kv_heads: int,
-        head_dim: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.bfloat16,
-        layout: str = "head",
-    ) -> None:
+    def __init__(self, n_layers: int, max_seq: int, n_kv_heads: int, head_dim: int, *,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16,
+                 layout: str = "head") -> None:
         if min(n_layers, max_seq, n_kv_heads, head_dim) < 1:
-            raise ValueError(
-                f"bad shape: layers={n_layers} max_seq={max_seq} "
-                f"kv_heads={n_kv_heads} head_dim={head_dim}"
-            )
+            raise ValueError(f"bad shape: layers={n_layers} max_seq={max_seq} "
+                             f"kv_heads={n_kv_heads} head_dim={head_dim}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.n_layers = int(n_layers)
-        self.max_seq = int(max_seq)
-        self.n_kv_heads = int(n_kv_heads)
-        self.head_dim = int(head_dim)
-        self.layout = layout
-
+        self.n_layers, self.max_seq = int(n_layers), int(max_seq)
+        self.n_kv_heads, self.head_dim = int(n_kv_heads), int(head_dim)
+        self.layout, self.seq_len = layout, 0
         L, S, H, D = self.n_layers, self.max_seq, self.n_kv_heads, self.head_dim
         stored = (L, H, S, D) if layout == "head" else (L, S, H, D)
-        # zeros, not empty: the unwritten tail is never read, but paying for the
-        # pages up front is what makes memory flat during generation.
+        device = default_device() if device is None else device
+        # zeros, not empty: the unwritten tail is never read, but paying for the pages up front is what
+        # makes memory flat during generation.
         k = torch.zeros(stored, dtype=dtype, device=device)
         v = torch.zeros(stored, dtype=dtype, device=device)
         # The public tensors always have the logical shape [L, S, H, D].
-        self.k = k.transpose(1, 2) if layout == "head" else k
-        self.v = v.transpose(1, 2) if layout == "head" else v
-        self.seq_len = 0
-
-        # Per-layer views, built once: `self.k[layer]` would be a fresh view on
-        # every layer of every token. [S, H, D] for writing...
-        self._k = [self.k[i] for i in range(L)]
-        self._v = [self.v[i] for i in range(L)]
+        self.k, self.v = (k.transpose(1, 2), v.transpose(1, 2)) if layout == "head" else (k, v)
+        # Per-layer views, built once: `self.k[layer]` would be a fresh view on every layer of every
+        # token. [S, H, D] for writing...
+        self._k, self._v = [self.k[i] for i in range(L)], [self.v[i] for i in range(L)]
         # ...and [1, H, S, D] for SDPA. Permute once; the token path only slices.
         self._k_attn = [t.permute(1, 0, 2).unsqueeze(0) for t in self._k]
         self._v_attn = [t.permute(1, 0, 2).unsqueeze(0) for t in self._v]
@@ -161,28 +131,25 @@ class KVCache:
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """``k``/``v`` are ``[n, n_kv_heads, head_dim]`` for slots ``start..start+n``.
 
-        Assignment into a slice of an existing tensor: one copy kernel each, no
-        allocation, no ``cat``. Checked first, so a refused write writes nothing.
+        Assignment into a slice of an existing tensor: one copy kernel each, no allocation, no ``cat``.
+        Checked first, so a refused write writes nothing.
         """
         check_kv(self, layer, start, k, v)
         end = start + k.shape[0]
         if end > self.max_seq:
-            raise ValueError(
-                f"KV overflow: writing slots {start}..{end} into max_seq={self.max_seq}"
-            )
-        # One slice copy for all n slots (a whole prefill chunk at once). Its
-        # offset is a Python int, fixed into the kernel: a captured step, which
-        # must replay at a new position, uses ``write_at`` instead.
+            raise ValueError(f"KV overflow: writing slots {start}..{end} into max_seq={self.max_seq}")
+        # One slice copy for all n slots (a whole prefill chunk at once). Its offset is a Python int,
+        # fixed into the kernel: a captured step, which must replay at a new position, uses ``write_at``
+        # instead.
         self._k[layer][start:end] = k
         self._v[layer][start:end] = v
 
     def write_at(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``[n, n_kv_heads, head_dim]`` at the slots in ``pos``, a device tensor ``[n]``.
 
-        The variant a captured step needs: the position lives on the device, so
-        a CUDA graph replays with a new one without being captured again. It
-        cannot be range-checked without a host sync, so the caller checks it on
-        the host (:class:`kvlib.graphs.StaticStep` does).
+        The variant a captured step needs: the position lives on the device, so a CUDA graph replays
+        with a new one without being captured again. It cannot be range-checked without a host sync, so
+        the caller checks it on the host (:class:`kvlib.graphs.StaticStep` does).
         """
         check_kv(self, layer, 0, k, v)
         self._k[layer].index_copy_(0, pos, k)
@@ -197,9 +164,6 @@ class KVCache:
         return self._k_attn[layer][:, :, :seq], self._v_attn[layer][:, :, :seq]
 
     def __repr__(self) -> str:
-        return (
-            f"KVCache(layers={self.n_layers}, max_seq={self.max_seq}, "
-            f"kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
-            f"dtype={self.dtype}, layout={self.layout}, {self.mib:.1f} MiB, "
-            f"{self.bytes_per_token / 1024:.0f} KiB/token, seq_len={self.seq_len})"
-        )
+        return (f"KVCache(layers={self.n_layers}, max_seq={self.max_seq}, kv_heads={self.n_kv_heads}, "
+                f"head_dim={self.head_dim}, dtype={self.dtype}, layout={self.layout}, {self.mib:.1f} MiB, "
+                f"{self.bytes_per_token / 1024:.0f} KiB/token, seq_len={self.seq_len})")

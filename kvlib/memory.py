@@ -1,18 +1,13 @@
 """Memory over time, the allocator's own settings, and the 12 GiB emulation.
 
-Three numbers answer three questions, and the course never mixes them up:
-``allocated`` is what live tensors hold; ``reserved`` is what the caching
-allocator took from the driver (allocated plus its cache, the number that
-actually runs out); ``peak_*`` is the high-water mark since the last reset.
-What ``nvidia-smi`` shows is larger still: the CUDA context and anything
-allocated outside PyTorch, reported here as ``outside_allocator``.
+Three numbers answer three questions, and the course never mixes them up: ``allocated`` is what live
+tensors hold; ``reserved`` is what the caching allocator took from the driver (allocated plus its cache,
+the number that actually runs out); ``peak_*`` is the high-water mark since the last reset. What
+``nvidia-smi`` shows is larger still (``outside_allocator``).
 
-On a CPU there is no allocator to ask, so the only honest number is the
-process's resident set size. No function here touches ``torch.cuda`` unless
-the device is a CUDA device.
+On a CPU there is no allocator to ask, so the only honest number is the process's resident set size. No
+function here touches ``torch.cuda`` unless the device is a CUDA device.
 """
-
-from __future__ import annotations
 
 import os
 from contextlib import contextmanager
@@ -21,9 +16,9 @@ from typing import Iterator
 
 import torch
 
-__all__ = [
-    "Cap", "MemoryTrace", "allocator_settings", "cap_memory", "memory_snapshot", "memory_stats",
-]
+from .env import default_device
+
+__all__ = ["Cap", "MemoryTrace", "allocator_settings", "cap_memory", "memory_snapshot", "memory_stats"]
 
 GIB = 2**30
 
@@ -40,24 +35,19 @@ def _rss() -> int:
 def memory_stats(device: torch.device | str) -> dict[str, int]:
     """Bytes, now. CUDA: allocator and device view; anything else: ``rss``.
 
-    ``device_used`` is ``total - free`` from the driver, for the whole card (so
-    other processes count too); ``outside_allocator = device_used - reserved``
-    is therefore the CUDA context, cuBLAS/cuDNN workspaces the allocator does
-    not own, and any other process on the same card.
+    ``device_used`` is ``total - free`` from the driver, for the whole card (so other processes count
+    too); ``outside_allocator = device_used - reserved`` is therefore the CUDA context, cuBLAS/cuDNN
+    workspaces the allocator does not own, and any other process on the same card.
     """
     device = torch.device(device)
     if device.type != "cuda":
         return {"rss": _rss()}
     free, total = torch.cuda.mem_get_info(device)
     reserved = torch.cuda.memory_reserved(device)
-    return {
-        "allocated": torch.cuda.memory_allocated(device),
-        "reserved": reserved,
-        "peak_allocated": torch.cuda.max_memory_allocated(device),
-        "peak_reserved": torch.cuda.max_memory_reserved(device),
-        "device_used": total - free,
-        "outside_allocator": total - free - reserved,
-    }
+    return {"allocated": torch.cuda.memory_allocated(device), "reserved": reserved,
+            "peak_allocated": torch.cuda.max_memory_allocated(device),
+            "peak_reserved": torch.cuda.max_memory_reserved(device),
+            "device_used": total - free, "outside_allocator": total - free - reserved}
 
 
 class MemoryTrace:
@@ -85,12 +75,11 @@ class MemoryTrace:
 def allocator_settings(device: torch.device | str) -> dict:
     """What the CUDA caching allocator is running with, asked of the allocator.
 
-    ``config`` is the option string the allocator last parsed (from
-    ``PYTORCH_ALLOC_CONF`` at start-up or a later runtime change), so it is what
-    took effect, not what the environment says now. ``expandable_segments`` is
-    read from the live segments when any exist (each segment knows whether it
-    is expandable), else from ``config``. Each probe is guarded so older torch
-    releases return what they can. ``{}`` off CUDA.
+    ``config`` is the option string the allocator last parsed (from ``PYTORCH_ALLOC_CONF`` at start-up
+    or a later runtime change), so it is what took effect, not what the environment says now.
+    ``expandable_segments`` is read from the live segments when any exist (each segment knows whether it
+    is expandable), else from ``config``. Each probe is guarded so older torch releases return what they
+    can. ``{}`` off CUDA.
     """
     device = torch.device(device)
     if device.type != "cuda":
@@ -103,14 +92,11 @@ def allocator_settings(device: torch.device | str) -> dict:
     if hasattr(torch.cuda, "get_per_process_memory_fraction"):
         out["memory_fraction"] = torch.cuda.get_per_process_memory_fraction(device)
     index = torch.cuda.current_device() if device.index is None else device.index
-    segments = [
-        s for s in torch.cuda.memory._snapshot()["segments"] if s.get("device", index) == index
-    ]
+    segments = [s for s in torch.cuda.memory._snapshot()["segments"] if s.get("device", index) == index]
     if segments and "is_expandable" in segments[0]:
         out["expandable_segments"] = any(s["is_expandable"] for s in segments)
     elif "config" in out:
-        config = out["config"].lower().replace(" ", "")
-        out["expandable_segments"] = "expandable_segments:true" in config
+        out["expandable_segments"] = "expandable_segments:true" in out["config"].lower().replace(" ", "")
     return out
 
 
@@ -141,12 +127,11 @@ class Cap:
 def cap_memory(gib: float, device: torch.device | str) -> Cap:
     """Emulate a ``gib``-GiB card on a bigger one by capping the caching allocator.
 
-    ``set_per_process_memory_fraction`` makes the allocator raise OOM once
-    ``reserved`` would pass the cap. It covers the caching allocator only: the
-    CUDA context and memory allocated outside PyTorch are not counted, so the
-    emulation is a little more generous than a real card of that size, whose
-    context eats into the same memory. On a card no bigger than the cap the
-    cap is lifted (fraction 1.0) and the note says the card itself is the limit.
+    ``set_per_process_memory_fraction`` makes the allocator raise OOM once ``reserved`` would pass the
+    cap. The CUDA context and memory allocated outside PyTorch are not counted, so the emulation is a
+    little more generous than a real card of that size, whose context eats into the same memory. On a
+    card no bigger than the cap the cap is lifted (fraction 1.0) and the note says the card itself is
+    the limit.
     """
     device = torch.device(device)
     if device.type != "cuda":
@@ -155,34 +140,28 @@ def cap_memory(gib: float, device: torch.device | str) -> Cap:
     fraction = gib * GIB / total
     active = fraction < 1
     torch.cuda.set_per_process_memory_fraction(min(fraction, 1.0), device)  # 1.0 lifts an old cap
-    note = (
-        f"emulating a {gib:g} GiB card on a {total / GIB:.1f} GiB one: the caching allocator is "
-        f"capped at {gib:g} GiB; the CUDA context and memory allocated outside PyTorch are not"
-        if active
-        else f"cap not applied: the card's {total / GIB:.1f} GiB <= {gib:g} GiB is the limit"
-    )
+    note = (f"emulating a {gib:g} GiB card on a {total / GIB:.1f} GiB one: the caching allocator is "
+            f"capped at {gib:g} GiB; the CUDA context and memory allocated outside PyTorch are not" if active
+            else f"cap not applied: the card's {total / GIB:.1f} GiB <= {gib:g} GiB is the limit")
     return Cap(gib, total, fraction if active else None, active, note)
 
 
 @contextmanager
-def memory_snapshot(
-    path: str | os.PathLike, max_entries: int = 100_000, *, device: torch.device | str | None = None
-) -> Iterator[bool]:
+def memory_snapshot(path: str | os.PathLike, max_entries: int = 100_000, *,
+                    device: torch.device | str | None = None) -> Iterator[bool]:
     """Record every allocator event in the block and dump them to ``path``.
 
-    ``device`` defaults to CUDA when available. Yields True while recording on
-    CUDA. Off CUDA it records nothing, writes no file and yields False, so a
-    notebook keeps one code path::
+    ``device`` defaults to CUDA when available. Yields True while recording on CUDA. Off CUDA it records
+    nothing, writes no file and yields False, so a notebook keeps one code path::
 
         with memory_snapshot("cat.pickle", device=device) as recording:
             run()
         print("drag cat.pickle into https://pytorch.org/memory_viz" if recording else "no CUDA")
 
-    The file is dumped even when the block raises (an OOM is the best moment
-    for a snapshot) and opens in https://pytorch.org/memory_viz.
+    The file is dumped even when the block raises (an OOM is the best moment for a snapshot) and opens
+    in https://pytorch.org/memory_viz.
     """
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type != "cuda":
+    if torch.device(device or default_device()).type != "cuda":
         yield False
         return
     try:

@@ -1,26 +1,21 @@
 """Bytes allocated, counted op by op, on any device.
 
-The course's claim about a ``cat`` cache is arithmetic: step ``t`` allocates a
-new ``[..., t+1, ...]`` tensor and copies the old one into it. To check that
-claim on a laptop and in CI, not only on a GPU, the meter sits at the aten
-dispatch level (a ``TorchDispatchMode``) instead of reading the CUDA allocator:
-every op's outputs pass through it on CPU, CUDA and ``meta`` alike, so the same
-numbers come out everywhere and a CPU test can hold them fixed.
+The course's claim about a ``cat`` cache is arithmetic: step ``t`` allocates a new ``[..., t+1, ...]``
+tensor and copies the old one into it. To check that claim on a laptop and in CI, not only on a GPU, the
+meter sits at the aten dispatch level (a ``TorchDispatchMode``) instead of reading the CUDA allocator:
+every op's outputs pass through it on CPU, CUDA and ``meta`` alike, so the same numbers come out
+everywhere and a CPU test can hold them fixed.
 
-An output counts when its storage is *new*: not the storage of any input. So a
-view (``slice``, ``permute``) or an in-place write (``copy_``, ``index_put_``)
-counts 0 and ``torch.cat`` counts its whole result. Storages are told apart by
-their ``StorageImpl`` address (``untyped_storage()._cdata``), not by
-``data_ptr``, which is 0 for every ``meta`` tensor.
+An output counts when its storage is *new*: not the storage of any input. So a view (``slice``,
+``permute``) or an in-place write (``copy_``, ``index_put_``) counts 0 and ``torch.cat`` counts its
+whole result. Storages are told apart by their ``StorageImpl`` address (``untyped_storage()._cdata``),
+not by ``data_ptr``, which is 0 for every ``meta`` tensor.
 
-What it does not see: scratch memory a kernel allocates for itself and never
-returns as an op output (cuBLAS workspaces, SDPA temporaries inside a fused
-kernel), and anything the caching allocator does with the bytes -- rounding to
-512 B blocks, caching freed blocks, growing ``reserved``. Those are
+What it does not see: scratch memory a kernel allocates for itself and never returns as an op output
+(cuBLAS workspaces, SDPA temporaries inside a fused kernel), and anything the caching allocator does
+with the bytes -- rounding to 512 B blocks, caching freed blocks, growing ``reserved``. Those are
 ``kvlib.memory``'s job; this meter counts what the *program* asked for.
 """
-
-from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -46,22 +41,19 @@ def _storage(t: torch.Tensor) -> tuple[int, int] | None:
 class AllocMeter(TorchDispatchMode):
     """Sum the storage bytes of every new tensor produced while active.
 
-    ``total``/``count`` cover the meter's whole life; ``by_op`` and
-    ``by_region`` split the same bytes by aten overload name and by region;
-    ``mark()`` closes a step and records its bytes in ``steps`` and
+    ``total``/``count`` cover the meter's whole life; ``by_op`` and ``by_region`` split the same bytes
+    by aten overload name and by region; ``mark()`` closes a step and records its bytes in ``steps`` and
     ``step_regions``. Re-entering keeps the totals and starts a fresh step.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.total = 0
-        self.count = 0
+        self.total = self.count = 0
         self.by_op: dict[str, int] = {}
         self.by_region: dict[str, int] = {}
         self.steps: list[int] = []
         self.step_regions: list[dict[str, int]] = []
-        self._region = OTHER
-        self._step: dict[str, int] = {}
+        self._region, self._step = OTHER, {}
 
     def __enter__(self) -> "AllocMeter":
         self._step = {}
@@ -100,20 +92,17 @@ class AllocMeter(TorchDispatchMode):
         return self.steps[-1]
 
     def __repr__(self) -> str:
-        return (
-            f"AllocMeter({self.total} B in {self.count} new storages, "
-            f"{len(self.steps)} steps, regions={self.by_region})"
-        )
+        return (f"AllocMeter({self.total} B in {self.count} new storages, "
+                f"{len(self.steps)} steps, regions={self.by_region})")
 
 
 class MeteredCache:
     """A cache whose ``write``/``view`` are metered under the region ``"cache"``.
 
-    ``generate(model, ids, n, cache=MeteredCache(cache, meter))`` under
-    ``with meter:`` separates what the *cache* allocates per decode step (0 for
-    the preallocated ``KVCache``, the whole cache for a ``cat`` cache) from the
-    model's activations. Everything else, reads and writes alike (``seq_len``
-    is advanced by the token loop), goes straight to the wrapped cache.
+    ``generate(model, ids, n, cache=MeteredCache(cache, meter))`` under ``with meter:`` separates what
+    the *cache* allocates per decode step (0 for the preallocated ``KVCache``, the whole cache for a
+    ``cat`` cache) from the model's activations. Everything else, reads and writes alike (``seq_len`` is
+    advanced by the token loop), goes straight to the wrapped cache.
     """
 
     def __init__(self, cache: Any, meter: AllocMeter) -> None:

