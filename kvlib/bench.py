@@ -18,8 +18,10 @@ import sys
 from pathlib import Path
 
 import torch
+import transformers
+from packaging import version
 from tqdm import tqdm
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StaticCache, StoppingCriteria, StoppingCriteriaList
 from transformers.utils import logging as hf_logging
 
 from . import plots
@@ -59,6 +61,17 @@ def _free(device) -> None:
         torch.cuda.empty_cache()
 
 
+def hf_static_cache(model, max_cache_len: int) -> dict:
+    """``generate`` keyword arguments for a ``StaticCache`` of exactly ``max_cache_len`` slots.
+
+    Made here, not with ``cache_implementation="static"``: then ``transformers`` sizes every later
+    static cache at least as large as the largest before it. The keyword is ``cache`` from 5.24 on,
+    ``past_key_values`` before.
+    """
+    new = version.parse(transformers.__version__) >= version.parse("5.24")
+    return {"cache" if new else "past_key_values": StaticCache(config=model.config, max_cache_len=max_cache_len)}
+
+
 def ms_per_token(model, prompt, kind: str, steps: int, chunk: int) -> float:
     """Median decode-step time, in ms, after ``prompt``: the prefill is not counted."""
     if kind in METERED:
@@ -66,9 +79,9 @@ def ms_per_token(model, prompt, kind: str, steps: int, chunk: int) -> float:
                          timed=True).step_s
     else:
         clock = _Clock(model.device)
+        static = hf_static_cache(model, prompt.shape[1] + steps + 1) if kind == "hf_static" else {}
         model.generate(prompt, max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False,
-                       cache_implementation="static" if kind == "hf_static" else None,
-                       stopping_criteria=StoppingCriteriaList([clock]), pad_token_id=0)
+                       stopping_criteria=StoppingCriteriaList([clock]), pad_token_id=0, **static)
         times = clock.timer.times_s
     return 1e3 * statistics.median(times)
 
