@@ -181,11 +181,16 @@ def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=
                 for k, v in res["caches"].items()},
     }
     if on_gpu:
-        c = contexts[-1]
-        graph = generate(model, prompt[:, :c], steps + 1, eos_token_id=None, prefill_chunk=chunk,
-                         step="graph", bucket=1024, timed=True)
+        c, graph_ms = contexts[-1], None
+        try:  # a failed capture is reported, not fatal: the rest of the run still counts
+            graph = generate(model, prompt[:, :c], steps + 1, eos_token_id=None, prefill_chunk=chunk,
+                             step="graph", bucket=1024, timed=True)
+            graph_ms = 1e3 * statistics.median(graph.step_s)
+        except RuntimeError as e:  # torch.OutOfMemoryError included
+            res["cuda_graph_error"] = str(e).splitlines()[0]
+        _free(device)
         res["cuda_graph"] = {"context": c, "eager_ms": res["caches"]["prealloc"]["ms_per_token"][-1],
-                             "graph_ms": 1e3 * statistics.median(graph.step_s)}
+                             "graph_ms": graph_ms}
         res["longest"] = longest_context(model, cap.budget_bytes, chunk)
         res["memory"] = memory_stats(device)
     return res

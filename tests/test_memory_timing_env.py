@@ -113,7 +113,7 @@ def test_step_timer_and_bad_inputs():
         time.sleep(d)
         timer.stop()
     a, b = timer.times_s
-    assert 0.002 <= a < b and len(timer) == 2
+    assert a >= 0.002 and b >= 0.01 and len(timer) == 2  # lower bounds: a busy machine only adds
     with pytest.raises(RuntimeError, match="without start"):
         timer.stop()
     with pytest.raises(ValueError, match="meta"):
