@@ -1,7 +1,8 @@
 """Exercises of notebook 01 (no cache): checks and reference solutions.
 
 Each ``check_*`` prints exactly ``not attempted yet`` when the learner's function
-still raises ``NotImplementedError``, ``correct`` when it is right, and otherwise a
+still raises ``NotImplementedError``, ``correct`` when it is right (``check_step_macs``
+adds one line comparing the count with the notebook's formula), and otherwise a
 message naming the numbers that differ. Everything is arithmetic on the shipped
 configs, so the checks print the same thing on every machine.
 """
@@ -65,6 +66,14 @@ def check_step_macs(fn) -> None:
             )
             return
     print("correct")
+    # The question the exercise asks: how close is the layer-by-layer count to the notebook's formula?
+    # Arithmetic on the shipped configs only, so this line is the same on every machine.
+    ratios = ", ".join(
+        f"{name} {2 * fn(load_config(name), 1024) / step_flops(load_config(name), 1024):.4f}"
+        for name in ("smollm2-135m", "qwen3-4b")
+    )
+    print(f"twice your count / (2 x params x t + attention) at t=1024: {ratios} "
+          "(params also hold norms, which do no matrix products)")
 
 
 # --- 2. total FLOPs of n tokens after a prompt of p, in closed form ----------------------
