@@ -13,12 +13,17 @@ def stub(*args):
     raise NotImplementedError  # your code here
 
 
-def step_off_by_one(config, dtype, t):  # forgets the slot being written: t, not t+1
-    return nb02.step_bytes_solution(config, dtype, t) // (t + 1) * t
+def over_or_equal(config, dtype, limit):  # "at least" instead of "more than": one slot early when it divides
+    per_token = nb02.step_bytes_solution(config, dtype, 0)
+    return -(-limit // per_token) - 1
 
 
-def step_k_only(config, dtype, t):  # counts K and forgets V
-    return nb02.step_bytes_solution(config, dtype, t) // 2
+def over_k_only(config, dtype, limit):  # counts K and forgets V: twice too far
+    return 2 * nb02.first_slot_over_solution(config, dtype, limit) + 1
+
+
+def over_plus_one(config, dtype, limit):  # one slot late
+    return nb02.first_slot_over_solution(config, dtype, limit) + 1
 
 
 def cumulative_linear(config, dtype, prompt, steps):  # every step priced at the prompt length
@@ -30,7 +35,7 @@ def cumulative_from_zero(config, dtype, prompt, steps):  # forgets the prompt al
 
 
 CASES = [
-    (nb02.check_step_bytes, nb02.step_bytes_solution, [step_off_by_one, step_k_only]),
+    (nb02.check_first_slot_over, nb02.first_slot_over_solution, [over_or_equal, over_k_only, over_plus_one]),
     (nb02.check_cumulative_bytes, nb02.cumulative_bytes_solution, [cumulative_linear, cumulative_from_zero]),
 ]
 

@@ -15,32 +15,37 @@ def stub(*args):
 
 
 def write_by_cat(k_store, v_store, layer, start, k, v):  # rebinds a new tensor: the caller's is untouched
-    k_store = torch.cat([k_store[layer, :start], k])
-    v_store = torch.cat([v_store[layer, :start], v])
+    k_store = torch.cat([k_store[layer, :, :start], k.transpose(0, 1)], dim=1)
+    v_store = torch.cat([v_store[layer, :, :start], v.transpose(0, 1)], dim=1)
 
 
 def write_with_clone(k_store, v_store, layer, start, k, v):  # right slots, but a copy on the way
     n = k.shape[0]
-    k_store[layer, start:start + n] = k.clone()
-    v_store[layer, start:start + n] = v.clone()
+    k_store[layer, :, start:start + n] = k.transpose(0, 1).contiguous()
+    v_store[layer, :, start:start + n] = v.transpose(0, 1).contiguous()
 
 
-def write_first_slot_only(k_store, v_store, layer, start, k, v):  # a one-token write only
-    k_store[layer, start] = k[0]
-    v_store[layer, start] = v[0]
+def write_seq_layout(k_store, v_store, layer, start, k, v):  # writes as if the store were [L, S, H, D]
+    n = k.shape[0]
+    k_store[layer, :, start:start + n] = k.reshape(k_store.shape[1], n, -1)
+    v_store[layer, :, start:start + n] = v.reshape(v_store.shape[1], n, -1)
 
 
-def max_seq_ceil(config, dtype, budget):  # rounds up: one token too many
-    return nb03.max_seq_solution(config, dtype, budget) + 1
+def view_copy(k_store, layer, seq):  # right values, but a copy
+    return k_store[layer, :, :seq].unsqueeze(0).clone()
 
 
-def max_seq_k_only(config, dtype, budget):  # forgets V: twice too long
-    return 2 * nb03.max_seq_solution(config, dtype, budget)
+def view_wrong_layer(k_store, layer, seq):
+    return k_store[(layer + 1) % k_store.shape[0], :, :seq].unsqueeze(0)
+
+
+def view_seq_axis(k_store, layer, seq):  # permutes as if the store were [L, S, H, D]
+    return k_store[layer].permute(1, 0, 2)[:, :seq].unsqueeze(0)
 
 
 CASES = [
-    (nb03.check_write, nb03.write_solution, [write_by_cat, write_with_clone, write_first_slot_only]),
-    (nb03.check_max_seq, nb03.max_seq_solution, [max_seq_ceil, max_seq_k_only]),
+    (nb03.check_write, nb03.write_solution, [write_by_cat, write_with_clone, write_seq_layout]),
+    (nb03.check_view, nb03.view_solution, [view_copy, view_wrong_layer, view_seq_axis]),
 ]
 
 

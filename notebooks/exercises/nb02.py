@@ -57,24 +57,48 @@ def step_bytes_solution(config, dtype: torch.dtype, t: int) -> int:
     return 2 * config.num_hidden_layers * (t + 1) * config.num_key_value_heads * head_dim(config) * element
 
 
-def check_step_bytes(fn) -> None:
-    """``fn(config, dtype, t)`` -> bytes the cat cache allocates in the step that writes slot ``t``."""
-    for name, dtype, prompt, _ in CASES:
+def first_slot_over_solution(config, dtype: torch.dtype, limit_bytes: int) -> int:
+    """The smallest ``t`` whose step (writing slot ``t``) allocates more than ``limit_bytes``.
+
+    The step allocates ``per_token * (t + 1)``, so we need ``t + 1 > limit / per_token``:
+    ``t + 1 = limit // per_token + 1``, i.e. ``t = limit // per_token``.
+    """
+    per_token = step_bytes_solution(config, dtype, 0)
+    return limit_bytes // per_token
+
+
+LIMIT_CASES = [  # (shipped config, dtype, limit in bytes)
+    ("qwen3-4b", torch.bfloat16, 2**30),
+    ("smollm2-135m", torch.float32, 100 * 2**20),
+    ("llama-3.2-3b", torch.float16, 123_456_789),
+    # exactly three tokens of KV (the step writing slot 2): that step is not "more", slot 3's is
+    ("qwen3-4b", torch.bfloat16, step_bytes_solution(load_config("qwen3-4b"), torch.bfloat16, 2)),
+]
+
+
+def check_first_slot_over(fn) -> None:
+    """``fn(config, dtype, limit)`` -> the first slot whose cat step allocates more than ``limit`` bytes."""
+    for name, dtype, limit in LIMIT_CASES:
         config = load_config(name)
         try:
-            got = fn(config, dtype, prompt)
+            got = int(fn(config, dtype, limit))
         except NotImplementedError:
             print(NOT_ATTEMPTED)
             return
-        want = _metered_steps(config, dtype, prompt, 1)[0]
-        if int(got) != want:
-            print(
-                f"{name} in {_short(dtype)} holding t={prompt} tokens: you predicted {int(got):,} B, "
-                f"the meter counted {want:,} B for the step that writes slot {prompt}. "
-                f"Hint: each of the {config.num_hidden_layers} layers makes a new K and a new V "
-                f"of t+1 slots."
-            )
+        if got < 0:
+            print(f"{name} in {_short(dtype)}, limit {limit:,} B: t={got} is not a slot")
             return
+        at = _metered_steps(config, dtype, got, 1)[0]
+        if at <= limit:
+            print(f"{name} in {_short(dtype)}, limit {limit:,} B: the step writing slot t={got:,} allocates "
+                  f"{at:,} B (metered), not more than the limit: t is too small")
+            return
+        if got > 0:
+            before = _metered_steps(config, dtype, got - 1, 1)[0]
+            if before > limit:
+                print(f"{name} in {_short(dtype)}, limit {limit:,} B: the step writing slot t-1={got - 1:,} "
+                      f"already allocates {before:,} B (metered), more than the limit: find the smallest t")
+                return
     print("correct")
 
 

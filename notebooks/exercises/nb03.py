@@ -10,33 +10,32 @@ from __future__ import annotations
 
 import torch
 
-from kvlib import KVCache
-from kvlib.budget import GIB, MIB, load_config
 from kvlib.meter import AllocMeter
 
 NOT_ATTEMPTED = "not attempted yet"
 
 
-# --- 1. the in-place write ---------------------------------------------------------------
+# --- 1. the in-place write, "head" layout -------------------------------------------------
 
 
 def write_solution(k_store: torch.Tensor, v_store: torch.Tensor, layer: int, start: int,
                    k: torch.Tensor, v: torch.Tensor) -> None:
     """Put ``k``/``v`` ``[n, Hkv, D]`` into slots ``start..start+n`` of ``layer``, in place.
 
-    ``k_store``/``v_store`` are ``[layers, max_seq, Hkv, D]``. A slice assignment is one
-    copy into memory that already exists: nothing is allocated.
+    ``k_store``/``v_store`` are ``[layers, Hkv, max_seq, D]`` (kvlib's ``"head"`` layout), so
+    the new slots are ``[Hkv, n, D]``: assign the transposed view. A slice assignment is one
+    strided copy into memory that already exists: nothing is allocated.
     """
     n = k.shape[0]
-    k_store[layer, start:start + n] = k
-    v_store[layer, start:start + n] = v
+    k_store[layer, :, start:start + n] = k.transpose(0, 1)  # [Hkv, n, D]
+    v_store[layer, :, start:start + n] = v.transpose(0, 1)
 
 
 def check_write(fn) -> None:
     """``fn(k_store, v_store, layer, start, k, v)`` must fill the right slots and allocate nothing."""
-    L, S, H, D = 3, 16, 2, 4
+    L, H, S, D = 3, 2, 16, 4
     g = torch.Generator().manual_seed(0)
-    k_store, v_store = torch.zeros(L, S, H, D), torch.zeros(L, S, H, D)
+    k_store, v_store = torch.zeros(L, H, S, D), torch.zeros(L, H, S, D)
     want_k, want_v = k_store.clone(), v_store.clone()
     ptr = k_store.data_ptr()
     writes = [(0, 0, 5), (2, 5, 1), (1, 6, 3), (0, 5, 1)]  # (layer, start, n): a prefill, then steps
@@ -60,52 +59,50 @@ def check_write(fn) -> None:
                 return
             for name, got, want in (("k", k_store, want_k), ("v", v_store, want_v)):
                 if not torch.equal(got, want):
-                    wrong = (got != want).any(-1).any(-1).nonzero().tolist()
+                    wrong = (got != want).any(-1).any(1).nonzero().tolist()  # [layer, slot]
                     print(f"after write(layer={layer}, start={start}, n={n}): {name} differs "
                           f"at [layer, slot] {wrong[:6]}; slots start..start+n of that layer "
-                          f"should hold the new values, every other slot stays as it was")
+                          f"(the third axis of the store) should hold the new values, every other "
+                          f"slot stays as it was")
                     return
     print("correct")
 
 
-# --- 2. the longest cache a budget holds --------------------------------------------------
-
-BUDGET_CASES = [  # (shipped config, dtype, bytes the cache may take)
-    ("qwen3-4b", torch.bfloat16, 4 * GIB),
-    ("smollm2-135m", torch.float32, 100 * MIB),
-    ("llama-3.2-3b", torch.float16, 3 * GIB // 2 + 123),
-]
+# --- 2. the view attention reads, "head" layout ---------------------------------------------
 
 
-def max_seq_solution(config, dtype: torch.dtype, budget_bytes: int) -> int:
-    """The largest ``max_seq`` whose K and V together fit in ``budget_bytes``."""
-    element = torch.empty((), dtype=dtype).element_size()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
-    return budget_bytes // per_token
+def view_solution(k_store: torch.Tensor, layer: int, seq: int) -> torch.Tensor:
+    """``[1, Hkv, seq, D]``: the first ``seq`` slots of ``layer``, a view of ``[L, Hkv, S, D]``."""
+    return k_store[layer, :, :seq].unsqueeze(0)
 
 
-def _nbytes(config, dtype, max_seq: int) -> int:
-    return KVCache.for_model(config, max_seq, device="meta", dtype=dtype).nbytes
-
-
-def check_max_seq(fn) -> None:
-    """``fn(config, dtype, budget_bytes)`` -> the largest max_seq with ``KVCache.nbytes <= budget``."""
-    for name, dtype, budget in BUDGET_CASES:
-        config = load_config(name)
-        try:
-            got = int(fn(config, dtype, budget))
-        except NotImplementedError:
-            print(NOT_ATTEMPTED)
+def check_view(fn) -> None:
+    """``fn(k_store, layer, seq)`` -> a ``[1, Hkv, seq, D]`` view: right values, same bytes, 0 allocated."""
+    L, H, S, D = 3, 2, 16, 4
+    k_store = torch.randn(L, H, S, D, generator=torch.Generator().manual_seed(1))
+    for layer, seq in ((0, 5), (2, 16), (1, 1)):
+        with AllocMeter() as meter:
+            try:
+                got = fn(k_store, layer, seq)
+            except NotImplementedError:
+                print(NOT_ATTEMPTED)
+                return
+        want = view_solution(k_store, layer, seq)
+        where = f"view(layer={layer}, seq={seq})"
+        if tuple(got.shape) != tuple(want.shape):
+            print(f"{where}: shape {tuple(got.shape)}, want [1, kv_heads, seq, head_dim] = {tuple(want.shape)}")
             return
-        short = str(dtype).removeprefix("torch.")
-        if got < 1 or _nbytes(config, dtype, got) > budget:
-            size = _nbytes(config, dtype, got) if got >= 1 else 0
-            print(f"{name} in {short}, budget {budget:,} B: max_seq={got:,} makes a cache of "
-                  f"{size:,} B, which does not fit")
+        if not torch.equal(got, want):
+            print(f"{where}: right shape, wrong values: take slots 0..{seq} of layer {layer}")
             return
-        if _nbytes(config, dtype, got + 1) <= budget:
-            print(f"{name} in {short}, budget {budget:,} B: max_seq={got:,} fits, but so does "
-                  f"{got + 1:,} ({_nbytes(config, dtype, got + 1):,} B): find the largest")
+        if meter.total:
+            print(f"{where} allocated {meter.total:,} B ({meter.by_op}): a view allocates 0 B")
+            return
+        if got.data_ptr() != want.data_ptr():
+            print(f"{where}: starts at byte {got.data_ptr() - k_store.data_ptr():,} of the store, "
+                  f"want {want.data_ptr() - k_store.data_ptr():,}: it must be a view into k_store")
+            return
+        if got.stride()[1:] != want.stride()[1:]:
+            print(f"{where}: strides {got.stride()}, want {want.stride()} (the store's own strides)")
             return
     print("correct")
