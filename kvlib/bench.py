@@ -143,8 +143,13 @@ def longest_context(model, budget: int, chunk: int) -> dict:
     return out
 
 
-def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=None, progress=True) -> dict:
-    """Everything above for one model on one device; returns the results dict printed as JSON."""
+def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=None, rounds=2,
+        progress=True) -> dict:
+    """Everything above for one model on one device; returns the results dict printed as JSON.
+
+    Each context is timed in ``rounds`` rounds, the caches in a rotated order each round, and a cache's
+    ``ms_per_token`` is its best round: noise from the rest of the machine only ever adds time.
+    """
     device = torch.device(device)
     on_gpu, cap = device.type == "cuda", cap_memory(budget_gib, device)
     model, _ = load_model(model_name, device=device)
@@ -156,23 +161,31 @@ def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=
     res = {
         "device": describe(device, dtype, cap), "label": label(device, dtype, cap), "model": model_name,
         "dtype": str(dtype).removeprefix("torch."), "budget_gib": budget_gib if cap.active else None,
-        "cap": cap.note, "contexts": contexts, "steps": steps,
+        "cap": cap.note, "contexts": contexts, "steps": steps, "rounds": rounds,
         # every per-context list below is aligned with "contexts"; None = not measured (OOM)
-        "caches": {k: {"ms_per_token": []} | ({"cache_bytes_per_step": []} if k in METERED else {})
-                   for k in CACHES},
+        "caches": {k: {"ms_per_token": [], "rounds_ms": []}
+                   | ({"cache_bytes_per_step": []} if k in METERED else {}) for k in CACHES},
     }
-    jobs = [(c, k) for c in contexts for k in CACHES]
-    for c, k in tqdm(jobs, desc="decode", file=sys.stderr, disable=not progress):
-        _free(device)
-        ms = nbytes = None  # an OOM leaves None: recorded as missing, never guessed
-        try:
-            ms = ms_per_token(model, prompt[:, :c], k, steps, chunk)
-            nbytes = cache_bytes_per_step(model, c, k) if k in METERED else None
-        except torch.OutOfMemoryError:
-            pass
-        res["caches"][k]["ms_per_token"].append(ms)
+    jobs = [(c, r) for c in contexts for r in range(rounds)]
+    for c, r in tqdm(jobs, desc="decode", file=sys.stderr, disable=not progress):
+        if r == 0:
+            for k in CACHES:
+                res["caches"][k]["rounds_ms"].append([])
+        for k in CACHES[r % len(CACHES):] + CACHES[:r % len(CACHES)]:
+            _free(device)
+            try:  # an OOM is recorded as missing, never guessed
+                res["caches"][k]["rounds_ms"][-1].append(ms_per_token(model, prompt[:, :c], k, steps, chunk))
+            except torch.OutOfMemoryError:
+                pass
+    for k, v in res["caches"].items():
+        v["ms_per_token"] = [min(ms, default=None) for ms in v["rounds_ms"]]
         if k in METERED:
-            res["caches"][k]["cache_bytes_per_step"].append(nbytes)
+            for c in contexts:
+                _free(device)
+                try:
+                    v["cache_bytes_per_step"].append(cache_bytes_per_step(model, c, k))
+                except torch.OutOfMemoryError:
+                    v["cache_bytes_per_step"].append(None)
     bw = measure_bandwidth(device)
     floor = [1e3 * floor_s_per_token(decode_bytes(config, dtype, c), bw) for c in contexts]
     res["bandwidth"] = {
@@ -239,7 +252,7 @@ def main(argv=None) -> None:
     hf_logging.set_verbosity_error()
     device = torch.device(a.device or default_device())
     model = a.model or ("random:qwen3-4b" if device.type == "cuda" else "smollm2-135m")
-    quick = dict(contexts=[64, 256], steps=3) if a.quick else {}
+    quick = dict(contexts=[64, 256], steps=3, rounds=1) if a.quick else {}
     res = run(model, device, a.budget_gib, **quick)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
