@@ -7,6 +7,9 @@ untied head, Qwen3 with q/k norms. Weights are drawn with a large init so the
 logits are far apart and greedy decoding has no near-ties to flip.
 """
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
@@ -42,3 +45,23 @@ def smollm2():
     from kvlib import load_model
 
     return load_model("smollm2-135m", device="cpu")
+
+
+# --- exercise checks: the notebooks' `exercises` package, and the contract every check keeps -----
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))
+
+
+def stub(*args):
+    raise NotImplementedError  # your code here
+
+
+def assert_check_behaves(capsys, check, solution, wrongs, correct="correct\n"):
+    """Right for the reference, patient with a stub, and a message (not a pass) for each wrong answer."""
+    check(solution)
+    assert capsys.readouterr().out == correct
+    check(stub)
+    assert capsys.readouterr().out == "not attempted yet\n"
+    for wrong in wrongs:
+        check(wrong)
+        out = capsys.readouterr().out
+        assert out.strip() and not out.startswith("correct") and out != "not attempted yet\n", out

@@ -1,18 +1,11 @@
 """Notebook 00's exercise checks: right for the reference, patient with a stub, helpful when wrong."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))
-from exercises import nb00  # noqa: E402
+from conftest import assert_check_behaves
+from exercises import nb00
 from kvlib.budget import GIB, load_config, plan_budget  # noqa: E402
-
-
-def stub(*args):
-    raise NotImplementedError  # your code here
 
 
 def k_only(config, bytes_per_element):  # forgets V
@@ -48,15 +41,7 @@ CASES = [
 
 @pytest.mark.parametrize("check,solution,wrongs", CASES, ids=lambda c: getattr(c, "__name__", ""))
 def test_check(capsys, check, solution, wrongs):
-    check(solution)
-    assert capsys.readouterr().out == "correct\n"
-    check(stub)
-    assert capsys.readouterr().out == "not attempted yet\n"
-    for wrong in wrongs:
-        check(wrong)
-        out = capsys.readouterr().out
-        assert out.count("\n") == 1 and out not in ("correct\n", "not attempted yet\n"), out
-        assert any(ch.isdigit() for ch in out), out  # names the numbers
+    assert_check_behaves(capsys, check, solution, wrongs)
 
 
 def test_t4_answer_is_bf16s():
