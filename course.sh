@@ -30,7 +30,11 @@ if [ ! -f "$stamp" ]; then
 fi
 
 case "${1:-open}" in
-    open) exec "$venv/bin/jupyter" lab notebooks/ ;;
+    open)
+        shift || true
+        # Containers and cloud VMs often run as root, where JupyterLab refuses to start unasked.
+        root=(); [ "$(id -u)" = 0 ] && root=(--allow-root)
+        exec "$venv/bin/jupyter" lab notebooks/ ${root[@]+"${root[@]}"} "$@" ;;
     test) shift; exec "$py" -m pytest --nbval notebooks tests "$@" ;;
     *) echo "usage: ./course.sh [open|test]" >&2; exit 2 ;;
 esac
