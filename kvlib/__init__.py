@@ -1,17 +1,26 @@
 """kvlib: the final code of the KV-cache course.
 
-The notebooks in ``notebooks/`` build each piece and then import it from here: the preallocated
-:class:`KVCache` and the ``cat`` baseline it replaces, the token loop that runs either one, the models,
-and the instruments that measure them.
+The preallocated :class:`KVCache` and the ``cat`` baseline it replaces, the contract every cache keeps
+(:class:`~kvlib.cache.Cache`), the token loop that runs any of them, the models, and the instruments
+that measure them.
+
+Shapes are written in one axis legend, here and in every shape comment:
+
+    B  batch (sequences)          n    new tokens in one forward
+    L  layers                     Hq   query heads
+    S  slots: cache length, or    Hkv  KV heads (Hq / Hkv query heads share one)
+       the context attended to    D    head_dim
+    V  vocabulary                 d    hidden size
 """
 
+from .cache import Cache
 from .cat_cache import CatCache
+from .decoder import forward, forward_static
 from .env import auto_dtype, default_device, label
-from .decoder import forward
-from .generate import Generation, generate
 from .kv_cache import KVCache
+from .loop import Generation, generate
 from .meter import AllocMeter, MeteredCache
 from .models import load_model, model_names
 
-__all__ = ["AllocMeter", "CatCache", "Generation", "KVCache", "MeteredCache", "auto_dtype", "default_device",
-           "forward", "generate", "label", "load_model", "model_names"]
+__all__ = ["AllocMeter", "Cache", "CatCache", "Generation", "KVCache", "MeteredCache", "auto_dtype",
+           "default_device", "forward", "forward_static", "generate", "label", "load_model", "model_names"]

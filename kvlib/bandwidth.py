@@ -1,4 +1,4 @@
-"""The memory-bandwidth limit of decoding (promise 7 of the course).
+"""The memory-bandwidth limit of decoding.
 
 A decode step does little arithmetic per byte: every weight is read once to produce one token, and every
 cached K/V of the context is read once by attention. So a step cannot take less than ``decode_bytes /
@@ -9,7 +9,8 @@ utilisation (MBU) of the token loop.
 import torch
 from transformers import PretrainedConfig
 
-from kvlib.budget import MIB, kv_bytes_per_token, param_count
+from kvlib.config import MIB, kv_bytes_per_token
+from kvlib.budget import param_count
 from kvlib.timing import time_fn
 
 __all__ = ["decode_bytes", "floor_s_per_token", "mbu", "measure_bandwidth"]

@@ -18,23 +18,22 @@ import sys
 from pathlib import Path
 
 import torch
-import transformers
-from packaging import version
 from tqdm import tqdm
-from transformers import StaticCache, StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.utils import logging as hf_logging
 
 from . import plots
 from .bandwidth import decode_bytes, floor_s_per_token, measure_bandwidth
-from .budget import GIB, plan_budget
+from .config import GIB
+from .budget import plan_budget
 from .cat_cache import CatCache
 from .decoder import forward
 from .env import default_device, describe, label
-from .generate import generate
+from .loop import generate
 from .kv_cache import KVCache
 from .memory import cap_memory, memory_stats
-from .meter import AllocMeter, MeteredCache
-from .models import load_model
+from .meter import cache_bytes_per_step
+from .models import hf_static_cache, load_model
 from .timing import StepTimer
 
 CACHES = ("prealloc", "cat", "hf_dynamic", "hf_static")
@@ -61,17 +60,6 @@ def _free(device) -> None:
         torch.cuda.empty_cache()
 
 
-def hf_static_cache(model, max_cache_len: int) -> dict:
-    """``generate`` keyword arguments for a ``StaticCache`` of exactly ``max_cache_len`` slots.
-
-    Made here, not with ``cache_implementation="static"``: then ``transformers`` sizes every later
-    static cache at least as large as the largest before it. The keyword is ``cache`` from 5.24 on,
-    ``past_key_values`` before.
-    """
-    new = version.parse(transformers.__version__) >= version.parse("5.24")
-    return {"cache" if new else "past_key_values": StaticCache(config=model.config, max_cache_len=max_cache_len)}
-
-
 def ms_per_token(model, prompt, kind: str, steps: int, chunk: int) -> float:
     """Median decode-step time, in ms, after ``prompt``: the prefill is not counted."""
     if kind in METERED:
@@ -84,27 +72,6 @@ def ms_per_token(model, prompt, kind: str, steps: int, chunk: int) -> float:
                        stopping_criteria=StoppingCriteriaList([clock]), pad_token_id=0, **static)
         times = clock.timer.times_s
     return 1e3 * statistics.median(times)
-
-
-def cache_bytes_per_step(model, context: int, kind: str) -> int:
-    """Bytes the cache allocates in the decode step that writes slot ``context`` (the meter).
-
-    The cache is filled with ``context`` slots of zeros first: what a step allocates depends on how much
-    the cache holds, not on what.
-    """
-    config, device, dtype = model.config, model.device, model.dtype
-    if kind == "prealloc":
-        cache = KVCache.for_model(config, context + 1, device=device, dtype=dtype)
-    else:
-        cache = CatCache.for_model(config, device=device, dtype=dtype)
-        zeros = torch.zeros(context, cache.n_kv_heads, cache.head_dim, device=device, dtype=dtype)
-        for layer in range(cache.n_layers):
-            cache.write(layer, 0, zeros, zeros)
-    cache.seq_len = context
-    token = torch.zeros(1, 1, dtype=torch.long, device=device)
-    with AllocMeter() as meter:
-        forward(model, token, MeteredCache(cache, meter), context)
-    return meter.by_region.get("cache", 0)
 
 
 def longest_context(model, budget: int, chunk: int) -> dict:

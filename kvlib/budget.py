@@ -1,4 +1,4 @@
-"""The memory budget, computed before anything runs (promise 2 of the course).
+"""The memory budget, computed before anything runs.
 
 A decoding model's memory is three things: the weights (fixed), the KV cache (grows by
 :func:`kv_bytes_per_token` with every token), and a transient workspace for one forward pass. All three
@@ -11,51 +11,16 @@ The arithmetic is checked against the real architecture built on the ``meta`` de
 (:func:`meta_param_count`): full scale, no memory.
 """
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
-__all__ = ["GIB", "MIB", "Budget", "head_dim", "kv_bytes_per_token", "load_config", "meta_param_count",
-           "param_count", "plan_budget", "shipped_configs", "weight_bytes", "workspace_bytes"]
+from .config import GIB, MIB, head_dim, kv_bytes_per_token, kv_heads
 
-MIB = 1024 * 1024
-GIB = 1024 * MIB
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+__all__ = ["Budget", "meta_param_count", "param_count", "plan_budget", "weight_bytes", "workspace_bytes"]
+
 FAMILIES = ("llama", "qwen2", "qwen3")  # the families param_count can count
-
-
-def shipped_configs() -> list[str]:
-    """Names of the configs shipped in ``kvlib/configs`` (real models' ``config.json``)."""
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
-
-
-def load_config(name: str) -> PretrainedConfig:
-    """A shipped config by name ("qwen3-4b", ...): no network, no weights."""
-    path = CONFIG_DIR / f"{name}.json"
-    if not path.is_file():
-        raise ValueError(f"no shipped config {name!r}; shipped: {', '.join(shipped_configs())}")
-    return AutoConfig.for_model(**json.loads(path.read_text()))
-
-
-def head_dim(config: PretrainedConfig) -> int:
-    """``config.head_dim`` where the config sets it (Qwen3's 128 is not hidden/heads)."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def _kv_heads(config: PretrainedConfig) -> int:
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-
-def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, batch: int = 1) -> int:
-    """K and V for one more token, all layers: ``2 * layers * kv_heads * head_dim * elt * batch``.
-
-    Only the KV heads count: with GQA the query heads share them, which is why Qwen3-4B costs 144 KiB a
-    token in bf16 and not four times that.
-    """
-    return 2 * config.num_hidden_layers * _kv_heads(config) * head_dim(config) * dtype.itemsize * batch
 
 
 def param_count(config: PretrainedConfig) -> int:
@@ -69,7 +34,7 @@ def param_count(config: PretrainedConfig) -> int:
     if kind not in FAMILIES:
         raise ValueError(f"param_count knows {FAMILIES}, not model_type={kind!r}")
     h, inter, vocab, hd = config.hidden_size, config.intermediate_size, config.vocab_size, head_dim(config)
-    q, kv = config.num_attention_heads * hd, _kv_heads(config) * hd
+    q, kv = config.num_attention_heads * hd, kv_heads(config) * hd
     attn = 2 * h * q + 2 * h * kv  # q, o: h<->q;  k, v: h->kv
     if kind == "qwen2":
         attn += q + 2 * kv
@@ -111,7 +76,7 @@ def workspace_bytes(config: PretrainedConfig, dtype: torch.dtype, tokens: int = 
     kvlib keeps logits for the last position only, so ``tokens`` does not multiply them, and assumes
     they are upcast to float32 for sampling. The fused SDPA kernels (flash, memory-efficient) never
     materialise the scores: pass ``context`` (the keys attended to) only to price the math path, whose
-    softmax may briefly double that term. An estimate, which the notebooks compare to measurement; the
+    softmax may briefly double that term. An estimate, to compare with a measurement; the
     small residual stream is left out.
     """
     elt = dtype.itemsize

@@ -1,6 +1,6 @@
 """The naive baseline: a cache that grows by ``torch.cat`` on every write.
 
-This is what ``transformers``' ``DynamicCache`` does (notebook 02 shows it in the installed library):
+This is what ``transformers``' ``DynamicCache`` does:
 per layer, ``[1, n_kv_heads, seq, head_dim]`` tensors, and each new token makes new ones of ``seq + 1``
 slots, copying the old contents across. It has the same ``write`` / ``view`` / ``reset`` / ``seq_len`` /
 ``nbytes`` interface as :class:`kvlib.KVCache`, so the same token loop runs either one and any
@@ -9,9 +9,9 @@ difference measured is the cache's alone.
 
 import torch
 
-from .budget import head_dim
+from .cache import bytes_per_token, check_kv
+from .config import MIB, head_dim, kv_heads
 from .env import default_device
-from .kv_cache import MIB, check_kv
 
 __all__ = ["CatCache"]
 
@@ -37,7 +37,7 @@ class CatCache:
 
     @classmethod
     def for_model(cls, config, *, device=None, dtype=None):
-        return cls(config.num_hidden_layers, config.num_key_value_heads, head_dim(config),
+        return cls(config.num_hidden_layers, kv_heads(config), head_dim(config),
                    device=device, dtype=dtype or torch.bfloat16)
 
     @property
@@ -58,7 +58,7 @@ class CatCache:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self._empty.element_size()
+        return bytes_per_token(self)
 
     def reset(self) -> None:
         """New request: drop every layer's tensors (the allocator may keep the blocks)."""

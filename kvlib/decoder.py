@@ -1,106 +1,205 @@
-"""One forward of the course's token loop: n new tokens through the model, over a cache.
+"""One forward of the token loop: n new tokens through the model, over a cache.
 
-It is written against the model's own modules (embeddings, norms, q/k/v/o projections, Qwen3's q/k
-norms, the rotary embedding, the MLP, the head), so the weights, the RoPE scaling of the checkpoint and
-the numerics are the model's; only the cache and the attention call are ours. Attention is
-``scaled_dot_product_attention`` over the cache's views, with grouped-query attention left to
-``enable_gqa`` so K/V are never expanded with a copy.
+It is written against the model's own modules (embeddings, norms, q/k/v/o projections, q/k norms where
+the model has them, the rotary embedding, the MLP, the head), so the weights, the RoPE scaling of the
+checkpoint and the numerics are the model's; only the cache and the attention call are ours.
 
-Shapes (batch 1): hidden ``[1, n, d]``; q ``[1, n, Hq, D]``; k/v written as ``[n, Hkv, D]``; SDPA reads
-``[1, H, seq, D]``.
+Two entry points share one layer loop. :func:`forward` is the eager step: ``start`` is a Python int,
+attention reads exactly the slots written so far, and each call has new shapes. :func:`forward_static`
+is the step a CUDA graph can capture: the position is a device tensor and attention reads a fixed
+``span`` of slots, masking those past the position.
+
+Grouped-query attention is never expanded with a copy. Where a query sees every slot (a decode step),
+each KV head's group of query heads is folded into rows, ``[1, Hkv, group * n, D]``: a plain
+multi-head call every fused kernel takes, on every card. A prefill from an empty cache is causal; it
+passes ``enable_gqa`` where a fused kernel takes it (the CPU, and flash on sm >= 8.0) and is folded
+with a mask elsewhere (the math kernel would copy K/V once per query head). A chunk after earlier
+tokens is folded with a mask too. cuDNN attention is left out on CUDA: it builds a plan for every new
+shape, and an eager decode step has a new length every step.
 """
+
+import functools
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["forward", "check_supported", "SUPPORTED"]
+from .cache import Cache
 
-SUPPORTED = ("llama", "qwen2", "qwen3")
+__all__ = ["check_supported", "forward", "forward_static"]
+
+# What the loop computes: a pre-norm decoder of these parts (must have, may have) and nothing else.
+# Anything more (extra norms, attention sinks) changes the numbers, so it is refused by name.
+_PARTS = {
+    "model": ({"embed_tokens", "layers", "norm", "rotary_emb"}, set()),
+    "decoder layer": ({"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}, set()),
+    "attention": ({"q_proj", "k_proj", "v_proj", "o_proj"}, {"q_norm", "k_norm"}),
+}
+_CONFIG_REFUSED = {  # config attribute -> what the loop would get wrong, unless the value is neutral
+    "attn_logit_softcapping": "soft-capped attention logits", "final_logit_softcapping": "soft-capped logits",
+    "embedding_multiplier": "scaled embeddings", "residual_multiplier": "scaled residuals",
+    "logits_scaling": "scaled logits", "clip_qkv": "clipped q/k/v",
+}
+
+
+def _parts(module) -> set[str]:
+    return {n for n, _ in module.named_children()} | {n for n, _ in module.named_parameters(recurse=False)}
 
 
 def check_supported(model) -> None:
-    """Refuse architectures whose attention this loop would get silently wrong."""
-    config = model.config
-    if config.model_type not in SUPPORTED:
-        raise NotImplementedError(f"kvlib's token loop supports {SUPPORTED}; "
-                                  f"{type(model).__name__} is {config.model_type!r}")
+    """Refuse, by what it contains, a model this loop would compute wrongly.
+
+    Any family built from the parts above runs (Llama, Mistral, Qwen2, Qwen3, Gemma, ...); the error
+    names the part that is not. Windowed layers wait for a windowed cache.
+    """
+    config, body = model.config, getattr(model, "model", None)
+    layer = body.layers[0] if body is not None and len(getattr(body, "layers", ())) else None
+    modules = {"model": body, "decoder layer": layer, "attention": getattr(layer, "self_attn", None)}
+    for where, (must, may) in _PARTS.items():
+        have = set() if modules[where] is None else _parts(modules[where])
+        if extra := sorted(have - must - may):
+            raise NotImplementedError(f"{type(model).__name__} ({config.model_type!r}): its {where} has "
+                                      f"{extra}, which kvlib's token loop does not compute")
+        if missing := sorted(must - have):
+            raise NotImplementedError(f"{type(model).__name__} ({config.model_type!r}): its {where} lacks "
+                                      f"{missing}, which kvlib's token loop needs")
+    for attr, what in _CONFIG_REFUSED.items():
+        if getattr(config, attr, None) not in (None, 1, 1.0):
+            raise NotImplementedError(f"{config.model_type!r} has {what} ({attr}={getattr(config, attr)}); "
+                                      f"kvlib's token loop does not compute them")
+    _rope_of(type(modules["attention"]))
+    if 0 in (getattr(config, "no_rope_layers", None) or []):
+        raise NotImplementedError(f"{config.model_type!r} has layers without RoPE (no_rope_layers="
+                                  f"{config.no_rope_layers}); kvlib's token loop rotates every layer")
     windowed = [t for t in (getattr(config, "layer_types", None) or []) if t != "full_attention"]
     if windowed:
         raise NotImplementedError(f"{len(windowed)} layers use {windowed[0]!r}; "
-                                  f"kvlib supports full attention only")
+                                  f"kvlib's token loop supports full attention only")
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        raise NotImplementedError(f"sliding_window={config.sliding_window}; "
+                                  f"kvlib's token loop supports full attention only")
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE, as these families use it. x ``[1, n, H, D]``, cos/sin ``[1, n, D]``."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+@functools.cache
+def _gqa_fused(device: torch.device) -> bool:
+    """Does a fused kernel take ``enable_gqa`` here? The CPU's flash and CUDA flash (sm >= 8.0) do."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def _attention(attn, h, cos, sin, cache, layer: int, start, end: int, mask, causal: bool):
-    """One layer's self-attention for n new tokens written at ``start``, reading slots ``0..end``."""
+@contextmanager
+def _no_cudnn_attention(device: torch.device):
+    """Leave cuDNN attention out for one forward, and whatever else the caller chose untouched."""
+    was = device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled()
+    if was:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        if was:
+            torch.backends.cuda.enable_cudnn_sdp(True)
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """What every layer of one forward shares: where its K/V go and which slots its queries read."""
+
+    write: Callable[[Cache, int, torch.Tensor, torch.Tensor], None]  # (cache, layer, k, v)
+    cos: torch.Tensor  # [1, n, D], the model's own RoPE at the tokens' positions
+    sin: torch.Tensor
+    end: int  # slots read: 0..end
+    mask: torch.Tensor | None  # [group * n, end] additive, for the folded rows; None: no mask
+    causal: bool  # unfolded, is_causal, enable_gqa
+
+
+@functools.cache
+def _rope_of(attention_class: type) -> Callable:
+    """The model's own ``apply_rotary_pos_emb``: rotate-half or interleaved, partial or whole."""
+    rope = getattr(sys.modules[attention_class.__module__], "apply_rotary_pos_emb", None)
+    if rope is None:
+        raise NotImplementedError(f"{attention_class.__name__}'s module has no apply_rotary_pos_emb; "
+                                  f"kvlib's token loop applies the model's own RoPE")
+    return rope
+
+
+def _attention(attn, h: torch.Tensor, cache: Cache, layer: int, p: _Pass) -> torch.Tensor:
+    """One layer's self-attention for the n new tokens of ``h`` ``[1, n, d]``."""
     n, D = h.shape[1], attn.head_dim
     q = attn.q_proj(h).view(1, n, -1, D)  # [1, n, Hq, D]
     k = attn.k_proj(h).view(1, n, -1, D)  # [1, n, Hkv, D]
     v = attn.v_proj(h).view(1, n, -1, D)
-    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over head_dim, before RoPE
+    if hasattr(attn, "q_norm"):  # RMSNorm over head_dim, before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    if isinstance(start, torch.Tensor):
-        cache.write_at(layer, start, k[0], v[0])
-    else:
-        cache.write(layer, start, k[0], v[0])
-    keys, values = cache.view(layer, end)  # [1, Hkv, end, D], views
+    q, k = _rope_of(type(attn))(q, k, p.cos, p.sin, unsqueeze_dim=2)  # heads on dim 2
+    p.write(cache, layer, k[0], v[0])
+    keys, values = cache.view(layer, p.end)  # [1, Hkv, S, D], views
     q = q.transpose(1, 2)  # [1, Hq, n, D]; query head h reads KV head h // group
-    if mask is None:
-        o = F.scaled_dot_product_attention(q, keys, values, is_causal=causal, scale=attn.scaling,
+    if p.causal:
+        o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=attn.scaling,
                                            enable_gqa=True)
     else:  # fold each KV head's group of query heads into rows: [1, Hkv, group * n, D]
-        Hkv = keys.shape[1]
-        o = F.scaled_dot_product_attention(q.reshape(1, Hkv, -1, D), keys, values, attn_mask=mask,
-                                           scale=attn.scaling).reshape(1, -1, n, D)  # [1, Hq, n, D]
+        o = F.scaled_dot_product_attention(q.reshape(1, keys.shape[1], -1, D), keys, values,
+                                           attn_mask=p.mask, scale=attn.scaling)
+        o = o.reshape(1, -1, n, D)  # [1, Hq, n, D]
     return attn.o_proj(o.transpose(1, 2).reshape(1, n, -1))
 
 
-@torch.no_grad()  # inference only: a cache must never hold autograd history
-def forward(model, ids: torch.Tensor, cache, start, span: int | None = None) -> torch.Tensor:
-    """Run ``ids`` ``[1, n]`` at positions ``start..start+n``; return the last logits ``[1, vocab]``.
-
-    Every layer writes its K/V for those slots; ``cache.seq_len`` becomes ``start + n``. Only the last
-    position goes through the head: the logits of the others are never used, and for a long prompt they
-    would be the largest tensor of the step.
-
-    With ``start`` a device tensor ``[1]`` (one token, a :class:`KVCache`) the step has static shapes,
-    as a CUDA graph needs: it reads ``span`` slots whatever the position, masking those past it, and
-    leaves ``seq_len`` to the caller, who knows the position on the host (:mod:`kvlib.graphs`).
-    """
-    body, n = model.model, ids.shape[1]
-    static = isinstance(start, torch.Tensor)
-    causal, visible = False, None  # visible: [n, end] bool, which slots each new token may read
-    if static:  # the position lives on the device
-        positions, end = start.view(1, 1), span
-        visible = (torch.arange(span, device=ids.device) <= start).view(1, span)
-    else:
-        positions, end = torch.arange(start, start + n, device=ids.device).unsqueeze(0), start + n
-        if n > 1 and start == 0:  # prefill from empty: plain causal
-            causal = True
-        elif n > 1:  # a chunk after earlier tokens: causal, offset by `start`
-            visible = torch.ones(n, end, dtype=torch.bool, device=ids.device).tril(start)
-    mask = None  # decode (one query sees every slot) and causal prefill need none
-    if visible is not None:
-        # With a mask, SDPA's fused kernels refuse enable_gqa and the math kernel copies K/V once per
-        # query head. So _attention folds each KV head's query heads into rows, and the mask is
-        # repeated to match: [group * n, end]. Additive, in the model's dtype, built once per step,
-        # so no layer converts it again.
-        group = model.config.num_attention_heads // model.config.num_key_value_heads
-        mask = torch.zeros(visible.shape, dtype=model.dtype, device=ids.device)
-        mask = mask.masked_fill(~visible, float("-inf")).repeat(group, 1)
+def _run(model, ids: torch.Tensor, cache: Cache, positions: torch.Tensor, **p) -> torch.Tensor:
+    """The layer loop both entry points share; the last position's logits ``[1, V]``."""
+    body = model.model
     x = body.embed_tokens(ids)  # [1, n, d]
     cos, sin = body.rotary_emb(x, positions)  # the model's own RoPE, scaling included
-    for i, layer in enumerate(body.layers):
-        h = layer.input_layernorm(x)
-        x = x + _attention(layer.self_attn, h, cos, sin, cache, i, start, end, mask, causal)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    if not static:
-        cache.seq_len = end
+    step = _Pass(cos=cos, sin=sin, **p)
+    with _no_cudnn_attention(ids.device):
+        for i, layer in enumerate(body.layers):
+            x = x + _attention(layer.self_attn, layer.input_layernorm(x), cache, i, step)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+    # Only the last position goes through the head: the others' logits are never used, and for a
+    # long prompt they would be the largest tensor of the step.
     return model.lm_head(body.norm(x[:, -1:]))[:, -1]
+
+
+def _mask(model, visible: torch.Tensor) -> torch.Tensor:
+    """``visible`` ``[n, S]`` bool -> the additive mask of the folded rows, ``[group * n, S]``.
+
+    In the model's dtype and built once per forward, so no layer converts it again.
+    """
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    mask = torch.zeros(visible.shape, dtype=model.dtype, device=visible.device)
+    return mask.masked_fill(~visible, float("-inf")).repeat(group, 1)
+
+
+@torch.no_grad()  # inference only: a cache must never hold autograd history
+def forward(model, ids: torch.Tensor, cache: Cache, start: int) -> torch.Tensor:
+    """Run ``ids`` ``[1, n]`` at positions ``start..start+n``; return the last logits ``[1, V]``.
+
+    Every layer writes its K/V for those slots and reads slots ``0..start+n``; then
+    ``cache.seq_len = start + n``.
+    """
+    n, device = ids.shape[1], ids.device
+    end = start + n
+    positions = torch.arange(start, end, device=device).unsqueeze(0)
+    causal = n > 1 and start == 0 and _gqa_fused(device)
+    visible = None  # a decode step (one query sees every slot) needs no mask
+    if n > 1 and not causal:  # causal, offset by `start`
+        visible = torch.ones(n, end, dtype=torch.bool, device=device).tril(start)
+    logits = _run(model, ids, cache, positions, end=end, causal=causal,
+                  mask=None if visible is None else _mask(model, visible),
+                  write=lambda c, layer, k, v: c.write(layer, start, k, v))
+    cache.seq_len = end
+    return logits
+
+
+@torch.no_grad()
+def forward_static(model, token: torch.Tensor, cache: Cache, pos: torch.Tensor, span: int) -> torch.Tensor:
+    """One token ``[1, 1]`` at the device position ``pos`` ``[1]``, reading ``span`` slots, masked.
+
+    Every shape is fixed by ``span``, and nothing reads ``pos`` on the host, so a CUDA graph can
+    capture this call and replay it at any position below ``span``. For the same reason it cannot set
+    ``cache.seq_len``: the caller, who knows the position on the host, does (:class:`StaticStep`).
+    """
+    visible = (torch.arange(span, device=token.device) <= pos).view(1, span)
+    return _run(model, token, cache, pos.view(1, 1), end=span, causal=False, mask=_mask(model, visible),
+                write=lambda c, layer, k, v: c.write_at(layer, pos, k, v))

@@ -19,7 +19,7 @@ state would be frozen in.
 
 import torch
 
-from .decoder import forward
+from .decoder import forward_static
 
 __all__ = ["StaticStep"]
 
@@ -55,7 +55,7 @@ class StaticStep:
         self.pos.fill_(pos)  # a scalar fill: no host sync
         span = self.span(pos)
         if not self.capture:
-            logits = forward(self.model, self.token, self.cache, self.pos, span)
+            logits = forward_static(self.model, self.token, self.cache, self.pos, span)
         else:
             if span not in self.graphs:
                 self.graphs[span] = self._capture(span)
@@ -66,7 +66,7 @@ class StaticStep:
 
     def _capture(self, span: int):
         """Warm up on a side stream (lazy init must not be captured), then record."""
-        run = lambda: forward(self.model, self.token, self.cache, self.pos, span)  # noqa: E731
+        run = lambda: forward_static(self.model, self.token, self.cache, self.pos, span)  # noqa: E731
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -1,8 +1,8 @@
 """Preallocated KV. The cache is written in place and never grown.
 
-A ``cat`` along the length axis on every decode step reallocates and copies the whole cache (notebook 02
-measures it: bytes per step grow with the context, in total quadratically, and on a 12 GB card the
-allocator dies well before the arithmetic said it would). So the shape is fixed when the cache is made:
+A ``cat`` along the length axis on every decode step reallocates and copies the whole cache: bytes per
+step grow with the context, in total quadratically, and a card runs out well before the arithmetic
+said it would. So the shape is fixed when the cache is made:
 
     k, v: [n_layers, max_seq, n_kv_heads, head_dim]
 
@@ -18,41 +18,19 @@ the storage, so the layout changes strides, never results:
   head_dim]`` block is contiguous, so the view SDPA gets is as good as a contiguous tensor. The write is
   a strided copy of a few KiB.
 - ``"seq"``: storage in the logical order, the original design. The write is one contiguous copy, but
-  SDPA reads each head's keys ``n_kv_heads * head_dim`` elements apart. Notebook 04 measures what that
-  costs on the reader's device; the CPU kernels read it more slowly than a head-major slice, which a
-  ``cat`` cache always hands them, so it is not the default.
+  SDPA reads each head's keys ``n_kv_heads * head_dim`` elements apart. CPU kernels read that more
+  slowly than a head-major slice, which a ``cat`` cache always hands them, so it is not the default.
 """
 
 import torch
 
-from .budget import head_dim
+from .cache import bytes_per_token, check_kv
+from .config import MIB, head_dim, kv_heads
 from .env import default_device
 
-__all__ = ["KVCache", "LAYOUTS", "check_kv"]
+__all__ = ["KVCache", "LAYOUTS"]
 
-MIB = 1024 * 1024
 LAYOUTS = ("head", "seq")
-
-
-def check_kv(cache, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Refuse a write that would be wrong, before anything is written.
-
-    Shared by every cache with the ``write(layer, start, k, v)`` contract, so they refuse the same
-    things with the same words.
-    """
-    if not 0 <= layer < cache.n_layers:
-        raise IndexError(f"layer {layer} out of range for n_layers={cache.n_layers}")
-    if start < 0:
-        raise IndexError(f"negative start {start}")
-    want = (cache.n_kv_heads, cache.head_dim)
-    for name, t in (("k", k), ("v", v)):
-        if t.dim() != 3 or tuple(t.shape[1:]) != want:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [n, {want[0]}, {want[1]}] "
-                             f"(n new tokens, n_kv_heads, head_dim)")
-        if t.dtype != cache.dtype or t.device != cache.device:
-            raise ValueError(f"{name} is {t.dtype} on {t.device}, cache is {cache.dtype} on {cache.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} disagree")
 
 
 class KVCache:
@@ -98,7 +76,7 @@ class KVCache:
     @classmethod
     def for_model(cls, config, max_seq: int, *, device=None, dtype=None, layout: str = "head"):
         """Size a cache from a ``transformers`` config (the model's own numbers)."""
-        return cls(config.num_hidden_layers, max_seq, config.num_key_value_heads, head_dim(config),
+        return cls(config.num_hidden_layers, max_seq, kv_heads(config), head_dim(config),
                    device=device, dtype=dtype or torch.bfloat16, layout=layout)
 
     # --- accounting --------------------------------------------------------
@@ -120,8 +98,7 @@ class KVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        """KV cost of one more token, all layers, K and V."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.k.element_size()
+        return bytes_per_token(self)
 
     def reset(self) -> None:
         """New request, same memory. Nothing is freed and nothing is zeroed."""

@@ -24,7 +24,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["AllocMeter", "MeteredCache"]
+from .cache import Cache
+from .cat_cache import CatCache
+from .decoder import forward
+from .kv_cache import KVCache
+
+__all__ = ["AllocMeter", "MeteredCache", "cache_bytes_per_step"]
 
 OTHER = "other"  # region name for bytes allocated outside any ``region()``
 
@@ -105,7 +110,7 @@ class MeteredCache:
     advanced by the token loop), goes straight to the wrapped cache.
     """
 
-    def __init__(self, cache: Any, meter: AllocMeter) -> None:
+    def __init__(self, cache: Cache, meter: AllocMeter) -> None:
         object.__setattr__(self, "cache", cache)
         object.__setattr__(self, "meter", meter)
 
@@ -127,3 +132,24 @@ class MeteredCache:
 
     def __repr__(self) -> str:
         return f"MeteredCache({self.cache!r})"
+
+
+def cache_bytes_per_step(model, context: int, kind: str) -> int:
+    """Bytes the cache allocates in the decode step that writes slot ``context`` (the meter).
+
+    The cache is filled with ``context`` slots of zeros first: what a step allocates depends on how much
+    the cache holds, not on what.
+    """
+    config, device, dtype = model.config, model.device, model.dtype
+    if kind == "prealloc":
+        cache = KVCache.for_model(config, context + 1, device=device, dtype=dtype)
+    else:
+        cache = CatCache.for_model(config, device=device, dtype=dtype)
+        zeros = torch.zeros(context, cache.n_kv_heads, cache.head_dim, device=device, dtype=dtype)
+        for layer in range(cache.n_layers):
+            cache.write(layer, 0, zeros, zeros)
+    cache.seq_len = context
+    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+    with AllocMeter() as meter:
+        forward(model, token, MeteredCache(cache, meter), context)
+    return meter.by_region.get("cache", 0)

@@ -19,13 +19,15 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+import transformers
+from packaging import version
+from transformers import AutoModelForCausalLM, AutoTokenizer, StaticCache
 from transformers.utils import logging as hf_logging
 
-from .budget import load_config, shipped_configs
+from .config import load_config, shipped_configs
 from .env import auto_dtype, default_device
 
-__all__ = ["load_model", "model_names", "SMOLLM2_GGUF"]
+__all__ = ["hf_static_cache", "load_model", "model_names", "SMOLLM2_GGUF"]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -117,3 +119,14 @@ def _from_hub(name: str, dtype):
                            f"Offline choices: {model_names()} ('random:' models have the real "
                            f"architecture, memory and speed, with random weights).")
     return AutoModelForCausalLM.from_pretrained(name, **kw), AutoTokenizer.from_pretrained(name)
+
+
+def hf_static_cache(model, max_cache_len: int) -> dict:
+    """``generate`` keyword arguments for a ``StaticCache`` of exactly ``max_cache_len`` slots.
+
+    Made here, not with ``cache_implementation="static"``: then ``transformers`` sizes every later
+    static cache at least as large as the largest before it. The keyword is ``cache`` from 5.24 on,
+    ``past_key_values`` before.
+    """
+    new = version.parse(transformers.__version__) >= version.parse("5.24")
+    return {"cache" if new else "past_key_values": StaticCache(config=model.config, max_cache_len=max_cache_len)}

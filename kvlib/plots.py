@@ -18,7 +18,8 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.text import Text
 
-from kvlib.budget import GIB, MIB, Budget
+from kvlib.config import GIB, MIB
+from kvlib.budget import Budget
 
 __all__ = ["FIGURES", "budget_bar", "bytes_per_step", "cumulative_bytes", "load", "memory_vs_tokens",
            "roofline", "save", "time_per_step"]
@@ -164,12 +165,13 @@ def save(fig: Figure, name: str, data: dict, label: str,
     """Write ``name.png`` and ``name.json`` (``{"label", "data"}``) side by side.
 
     The JSON holds the numbers behind the plot, so a notebook can print them with their label instead of
-    typing them in. ``directory`` defaults to ``$KVLIB_SAVE_FIGURES`` if set (the test run sets it, so
-    running the notebooks under nbval leaves the committed figures alone), else ``figures/``.
+    typing them in. ``directory`` defaults to ``$KVLIB_SAVE_FIGURES`` if set, else ``figures/runs/``,
+    which git ignores: a learner's run never rewrites the committed reference figures, which are
+    written only when asked for (``KVLIB_SAVE_FIGURES=figures``, or the bench's ``--out``).
     """
     if not any(label in t.get_text() for t in fig.findobj(Text)):
         raise ValueError(f"figure {name!r} does not show its label {label!r}")
-    directory = Path(directory or os.environ.get("KVLIB_SAVE_FIGURES") or FIGURES)
+    directory = Path(directory or os.environ.get("KVLIB_SAVE_FIGURES") or FIGURES / "runs")
     directory.mkdir(parents=True, exist_ok=True)
     png, js = directory / f"{name}.png", directory / f"{name}.json"
     # Serialise before writing anything, so a bad value leaves no half-saved pair.

@@ -1,4 +1,4 @@
-"""One way to time things, used by every notebook on every device.
+"""One way to time things, on every device.
 
 CUDA work is asynchronous: ``perf_counter`` around a call measures how long the host took to *enqueue*
 kernels, not to run them. So on CUDA both helpers put a pair of ``torch.cuda.Event``s around each call

@@ -7,7 +7,7 @@ import sys
 import torch
 
 from kvlib.bench import CACHES
-from kvlib.budget import kv_bytes_per_token, load_config
+from kvlib.config import kv_bytes_per_token, load_config
 
 
 def test_quick_bench_prints_one_json_line_and_writes_figures(tmp_path):

@@ -10,15 +10,13 @@ from transformers import AutoConfig
 
 from kvlib.budget import (
     Budget,
-    kv_bytes_per_token,
-    load_config,
     meta_param_count,
     param_count,
     plan_budget,
-    shipped_configs,
     weight_bytes,
     workspace_bytes,
 )
+from kvlib.config import kv_bytes_per_token, load_config, shipped_configs
 
 GIB = 1024**3
 NAMES = ["llama-3.2-3b", "qwen2.5-3b", "qwen3-4b", "smollm2-135m"]

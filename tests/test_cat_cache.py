@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvlib import CatCache, KVCache
-from kvlib.budget import load_config
+from kvlib.config import load_config
 from kvlib.meter import AllocMeter
 
 L, H, D = 2, 3, 4

@@ -5,7 +5,8 @@ import torch
 
 from conftest import assert_check_behaves
 from exercises import nb00
-from kvlib.budget import GIB, load_config, plan_budget  # noqa: E402
+from kvlib.config import GIB, load_config
+from kvlib.budget import plan_budget  # noqa: E402
 
 
 def k_only(config, bytes_per_element):  # forgets V

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import assert_check_behaves
 from exercises import nb05
-from kvlib.budget import kv_bytes_per_token  # noqa: E402
+from kvlib.config import kv_bytes_per_token  # noqa: E402
 
 
 def uncapped(max_seq, bucket, t):  # forgets that the last span stops at max_seq

@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig
 
 from kvlib import KVCache
-from kvlib.budget import load_config
+from kvlib.config import load_config
 from kvlib.meter import AllocMeter
 
 L, S, H, D = 3, 16, 2, 4  # layers, max_seq, kv heads, head_dim

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import kvlib.models as models
 from kvlib import auto_dtype, load_model, model_names
-from kvlib.budget import load_config
+from kvlib.config import load_config
 
 SMOL = dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576, head_dim=64)
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from kvlib import CatCache
-from kvlib.budget import GIB, head_dim, load_config, plan_budget, shipped_configs
+from kvlib.config import GIB, head_dim, load_config, shipped_configs
+from kvlib.budget import plan_budget
 from kvlib.meter import AllocMeter
 
 NOT_ATTEMPTED = "not attempted yet"

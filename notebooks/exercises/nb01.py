@@ -9,7 +9,8 @@ configs, so the checks print the same thing on every machine.
 
 from __future__ import annotations
 
-from kvlib.budget import head_dim, load_config, param_count
+from kvlib.config import head_dim, load_config
+from kvlib.budget import param_count
 
 NOT_ATTEMPTED = "not attempted yet"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvlib import CatCache
-from kvlib.budget import head_dim, load_config
+from kvlib.config import head_dim, load_config
 from kvlib.meter import AllocMeter
 
 NOT_ATTEMPTED = "not attempted yet"

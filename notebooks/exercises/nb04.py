@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvlib import KVCache
-from kvlib.budget import head_dim, load_config
+from kvlib.config import head_dim, load_config
 from kvlib.meter import AllocMeter
 
 NOT_ATTEMPTED = "not attempted yet"

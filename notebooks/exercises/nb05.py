@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvlib import KVCache
-from kvlib.budget import kv_bytes_per_token, load_config
+from kvlib.config import kv_bytes_per_token, load_config
 from kvlib.graphs import StaticStep
 
 NOT_ATTEMPTED = "not attempted yet"

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from kvlib.bandwidth import decode_bytes
-from kvlib.budget import GIB, kv_bytes_per_token, load_config, plan_budget, weight_bytes, workspace_bytes
+from kvlib.config import GIB, kv_bytes_per_token, load_config
+from kvlib.budget import plan_budget, weight_bytes, workspace_bytes
 
 NOT_ATTEMPTED = "not attempted yet"
 PREFILL_CHUNK = 512

@@ -1,0 +1,64 @@
+"""The contract every cache keeps, written once.
+
+The token loop, the meter, the bench and the static step name :class:`Cache`, never a concrete class:
+a new cache is one module that satisfies it, and plugs in without a branch anywhere else. A step
+writes ``[n, Hkv, D]`` per layer at slot ``start`` (``write``), then reads ``[1, Hkv, S, D]`` for
+attention (``view``); the loop advances ``seq_len`` once every layer has written.
+"""
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .config import kv_token_bytes
+
+__all__ = ["Cache", "bytes_per_token", "check_kv"]
+
+
+@runtime_checkable
+class Cache(Protocol):
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    max_seq: int | None  # None: grows until memory runs out
+    seq_len: int  # valid slots; slots past it are never read
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def view(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def reset(self) -> None: ...
+
+
+def bytes_per_token(cache: Cache) -> int:
+    """KV cost of one more token in ``cache``, all layers, K and V."""
+    return kv_token_bytes(cache.n_layers, cache.n_kv_heads, cache.head_dim, cache.dtype)
+
+
+def check_kv(cache: Cache, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Refuse a write that would be wrong, before anything is written.
+
+    Shared by every cache, so they all refuse the same things with the same words.
+    """
+    if not 0 <= layer < cache.n_layers:
+        raise IndexError(f"layer {layer} out of range for n_layers={cache.n_layers}")
+    if start < 0:
+        raise IndexError(f"negative start {start}")
+    want = (cache.n_kv_heads, cache.head_dim)
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 3 or tuple(t.shape[1:]) != want:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [n, {want[0]}, {want[1]}] "
+                             f"(n new tokens, n_kv_heads, head_dim)")
+        if t.dtype != cache.dtype or t.device != cache.device:
+            raise ValueError(f"{name} is {t.dtype} on {t.device}, cache is {cache.dtype} on {cache.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} disagree")

@@ -1,0 +1,195 @@
+"""The course's token loop: prefill, then one token at a time, over any cache.
+
+:func:`generate` runs :func:`kvlib.decoder.forward` over a preallocated :class:`KVCache`, the ``cat``
+baseline or any other :class:`~kvlib.cache.Cache`, picks tokens on the device (greedy, or top-k / top-p
+sampling from a seeded generator) and keeps host syncs off the hot path: EOS is looked for once every
+``EOS_CHECK_EVERY`` steps, and a sampled token is drawn without the host sync of ``torch.multinomial``.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from .cache import Cache
+from .cat_cache import CatCache
+from .decoder import check_supported, forward
+from .graphs import StaticStep
+from .kv_cache import KVCache
+from .timing import StepTimer
+
+__all__ = ["generate", "Generation"]
+
+EOS_CHECK_EVERY = 8  # host syncs to look for EOS: one per this many steps, not one per step
+
+
+def _pick(logits, temperature: float, top_k, top_p, generator) -> torch.Tensor:
+    """Next token ``[1, 1]`` from ``[1, V]`` logits, on the device, with no host sync."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = logits.topk(min(top_k, logits.shape[-1])).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = logits.sort(descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token once the ones before it already reach top_p (the first always stays)
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    # argmax of p / Exp(1) draws from p (an exponential race): unlike torch.multinomial on CUDA, it never
+    # waits for the device to tell the host anything.
+    race = torch.empty_like(logits).exponential_(generator=generator)
+    return (logits.softmax(-1) / race).argmax(-1, keepdim=True)
+
+
+class _NoTimer:
+    """What the loop calls when it is not timed: nothing, so the loop has one code path."""
+
+    times_s = None
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+@dataclass
+class Generation:
+    """What :func:`generate` returns.
+
+    ``step_s[i]`` is the time of decode step i, which attends over ``prompt_len + i + 1`` slots
+    (``timed=True`` only; a timed run looks for EOS at every step, a host sync, so no step is timed past
+    it). ``cache`` holds the prompt and every new token but the last.
+    """
+
+    tokens: list[int]
+    prompt_len: int
+    cache: Cache
+    prefill_s: float | None = None
+    step_s: list[float] | None = None
+    logits: list[torch.Tensor] | None = None
+
+
+def _cache(model, cache, step, max_seq: int) -> Cache:
+    """The cache a request runs over: made from a name, a StaticStep's own, or the one passed."""
+    if isinstance(step, StaticStep):
+        if cache not in ("prealloc", step.cache):
+            raise ValueError("a StaticStep brings its own cache: pass cache='prealloc' or step.cache")
+        return step.cache
+    if cache == "prealloc":
+        return KVCache.for_model(model.config, max_seq, device=model.device, dtype=model.dtype)
+    if cache == "cat":
+        return CatCache.for_model(model.config, device=model.device, dtype=model.dtype)
+    if isinstance(cache, str) or not isinstance(cache, Cache):
+        raise ValueError(f"cache must be 'prealloc', 'cat' or a cache object, not {cache!r}")
+    return cache
+
+
+def _decode_step(model, cache: Cache, step, bucket: int):
+    """``decode(token [1, 1], pos) -> logits [1, V]`` for the chosen kind of step."""
+    if isinstance(step, StaticStep):
+        return step
+    if step == "eager":
+        return lambda token, pos: forward(model, token, cache, pos)
+    if step in ("static", "graph"):
+        return StaticStep(model, cache, bucket=bucket, capture=step == "graph")
+    raise ValueError(f"step must be 'eager', 'static' or 'graph', not {step!r}")
+
+
+def _check_request(model, ids: torch.Tensor, cache: Cache, max_new_tokens: int, prefill_chunk,
+                   extrapolate: bool) -> None:
+    """Refuse, with the numbers, a request that would overflow the cache or the model's positions."""
+    n, start = ids.shape[1], cache.seq_len
+    if n < 1 or max_new_tokens < 1:
+        raise ValueError(f"need a prompt and max_new_tokens >= 1, got {n} prompt tokens, {max_new_tokens}")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    end = start + n + max_new_tokens
+    if cache.max_seq is not None and end > cache.max_seq:
+        raise ValueError(f"KV overflow: {start} cached + {n} prompt + {max_new_tokens} new tokens "
+                         f"> max_seq={cache.max_seq}")
+    trained = getattr(model.config, "max_position_embeddings", None)
+    if trained and end - 1 > trained and not extrapolate:  # the last new token is never fed back
+        raise ValueError(f"{start} cached + {n} prompt + {max_new_tokens} new tokens reach position "
+                         f"{end - 2}, past max_position_embeddings={trained}, the longest this model was "
+                         f"trained for; pass extrapolate=True to see what it does there")
+
+
+@torch.no_grad()
+def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, cache="prealloc",
+             max_seq: int | None = None, temperature: float = 0.0, top_k: int | None = None,
+             top_p: float | None = None, seed: int | None = None, eos_token_id="auto",
+             prefill_chunk: int | None = None, step="eager", bucket: int = 256, timed: bool = False,
+             return_logits: bool = False, on_step=None, extrapolate: bool = False) -> Generation:
+    """Generate up to ``max_new_tokens`` after ``input_ids`` ``[1, n]`` (or ``[n]``).
+
+    ``cache``: ``"prealloc"`` (a :class:`KVCache` of ``max_seq`` slots, default prompt + new tokens),
+    ``"cat"`` (a :class:`CatCache`), or a cache object, which is continued from its ``seq_len``
+    (``reset()`` it for a new request). Greedy unless ``temperature > 0``; then top-k / top-p sampling
+    from a generator seeded with ``seed``. Stops after an EOS token (``"auto"``: the model's generation
+    config; ``None``: never). ``prefill_chunk`` splits a long prompt so the prefill's workspace stays
+    bounded. ``on_step(step, seq_len)`` is called after each decode step (for memory traces and meters).
+    A request past the model's ``max_position_embeddings`` is refused unless ``extrapolate``.
+
+    ``step`` is how a decode step runs: ``"eager"`` slices attention to the length; ``"static"`` reads
+    fixed spans of ``bucket`` slots with a mask (any device); ``"graph"`` is ``"static"`` captured as
+    CUDA graphs and replayed (:mod:`kvlib.graphs`); pass a :class:`StaticStep` itself to keep its graphs
+    from one request to the next (its cache is then the cache). Static and graph steps give the same
+    tokens; the eager step's unmasked attention may differ from them in the last bits, which in fp32 has
+    not flipped a token in the tests but in bf16 can.
+    """
+    check_supported(model)
+    device = model.device
+    if input_ids.dim() > 2 or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
+        raise ValueError(f"batch 1 only: input_ids is {list(input_ids.shape)}, expected [1, n] or [n]")
+    ids = input_ids.reshape(1, -1).to(device)
+    n = ids.shape[1]
+    cache = _cache(model, cache, step, max_seq or n + max(max_new_tokens, 1))
+    _check_request(model, ids, cache, max_new_tokens, prefill_chunk, extrapolate)
+    decode = _decode_step(model, cache, step, bucket)
+    if eos_token_id == "auto":
+        eos_token_id = model.generation_config.eos_token_id
+    eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device, dtype=torch.long)
+    eos = eos.reshape(-1)
+    generator = torch.Generator(device).manual_seed(0 if seed is None else seed) if temperature > 0 else None
+    timer = StepTimer(device) if timed else _NoTimer()
+
+    # 1. Prefill, in chunks: each chunk's workspace is bounded, whatever the prompt's length.
+    start = cache.seq_len
+    chunk = prefill_chunk or n
+    timer.start()
+    for s in range(0, n, chunk):
+        logits = forward(model, ids[:, s : s + chunk], cache, start + s)
+    timer.stop()
+
+    # 2. Decode: pick on the device, feed it back. EOS is looked for only every EOS_CHECK_EVERY steps.
+    out = torch.empty(max_new_tokens, dtype=torch.long, device=device)
+    kept_logits = [] if return_logits else None
+    pos = start + n
+    for produced in range(1, max_new_tokens + 1):
+        nxt = _pick(logits, temperature, top_k, top_p, generator)  # [1, 1]
+        out[produced - 1] = nxt[0, 0]
+        if kept_logits is not None:
+            kept_logits.append(logits[0].float().cpu())
+        if produced == max_new_tokens:
+            break
+        if eos.numel() and (timed or produced % EOS_CHECK_EVERY == 0):
+            if bool(torch.isin(out[:produced], eos).any()):
+                break
+        timer.start()
+        logits = decode(nxt, pos)
+        pos += 1
+        timer.stop()
+        if on_step:
+            on_step(produced - 1, pos)
+
+    # 3. Drop the steps past an EOS seen late, and their slots.
+    tokens = out[:produced].tolist()
+    stops = set(eos.tolist())
+    first = next((i for i, t in enumerate(tokens) if t in stops), None)
+    if first is not None:
+        tokens = tokens[: first + 1]
+        cache.seq_len = start + n + len(tokens) - 1
+        kept_logits = kept_logits[: len(tokens)] if kept_logits is not None else None
+    times = timer.times_s
+    return Generation(tokens=tokens, prompt_len=n, cache=cache, prefill_s=times[0] if times else None,
+                      step_s=times[1 : len(tokens)] if times else None, logits=kept_logits)

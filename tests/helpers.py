@@ -1,0 +1,46 @@
+"""What several test modules share: tiny random models of each family the token loop accepts.
+
+The tiny configs run in milliseconds on a CPU but keep what makes each family different: Llama with
+``llama3`` RoPE scaling (its rotary embedding must come from the model), Qwen2 with q/k/v biases and an
+untied head, Qwen3 with q/k norms, Mistral as Llama under another name, Gemma with its scaled
+embedding, ``(1 + w)`` norms and GELU MLP, Helium with interleaved RoPE, GLM rotating half of each
+head, Starcoder2 with biased LayerNorms and a plain MLP. Weights are drawn with a large init so the logits are far
+apart and greedy decoding has no near-ties to flip.
+"""
+
+import torch
+from transformers import (AutoModelForCausalLM, GemmaConfig, GlmConfig, HeliumConfig, LlamaConfig,
+                          MistralConfig, Qwen2Config, Qwen3Config, Starcoder2Config)
+
+SHARED = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+    initializer_range=0.2, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+)
+TINY = {
+    "llama": lambda: LlamaConfig(
+        **SHARED, tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+        },
+    ),
+    "qwen2": lambda: Qwen2Config(**SHARED, tie_word_embeddings=False),
+    "qwen3": lambda: Qwen3Config(**SHARED, tie_word_embeddings=True),
+    "mistral": lambda: MistralConfig(**SHARED, sliding_window=None, tie_word_embeddings=False),
+    "gemma": lambda: GemmaConfig(**SHARED),
+    "helium": lambda: HeliumConfig(**SHARED),
+    "glm": lambda: GlmConfig(**SHARED),
+    "starcoder2": lambda: Starcoder2Config(**SHARED),
+}
+FAMILIES = list(TINY)
+
+
+def tiny_model(family: str, dtype=torch.float32, **overrides):
+    config = TINY[family]()
+    config.eos_token_id = None  # GLM's config fills in its own when given None
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
