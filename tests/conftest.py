@@ -17,19 +17,3 @@ def smollm2():
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))  # the `exercises` package
-
-
-def stub(*args):
-    raise NotImplementedError  # your code here
-
-
-def assert_check_behaves(capsys, check, solution, wrongs, correct="correct\n"):
-    """Right for the reference, patient with a stub, and a message (not a pass) for each wrong answer."""
-    check(solution)
-    assert capsys.readouterr().out == correct
-    check(stub)
-    assert capsys.readouterr().out == "not attempted yet\n"
-    for wrong in wrongs:
-        check(wrong)
-        out = capsys.readouterr().out
-        assert out.strip() and not out.startswith("correct") and out != "not attempted yet\n", out

@@ -1,20 +1,20 @@
-"""Notebook 00's exercise checks: right for the reference, patient with a stub, helpful when wrong."""
+"""Notebook 00's exercise checks, and the wrong answers each must catch."""
 
-import pytest
 import torch
-
-from conftest import assert_check_behaves
 from exercises import nb00
+from helpers import check_tests
+
+from kvlib.budget import plan_budget
 from kvlib.config import GIB, load_config
-from kvlib.budget import plan_budget  # noqa: E402
 
 
 def k_only(config, bytes_per_element):  # forgets V
-    return config.num_hidden_layers * config.num_key_value_heads * nb00.head_dim(config) * bytes_per_element
+    return nb00.kv_bytes_per_token_solution(config, bytes_per_element) // 2
 
 
 def query_heads(config, bytes_per_element):  # caches every query head
-    return 2 * config.num_hidden_layers * config.num_attention_heads * nb00.head_dim(config) * bytes_per_element
+    heads, layers = config.num_attention_heads, config.num_hidden_layers
+    return 2 * layers * heads * nb00.head_dim(config) * bytes_per_element
 
 
 def llama_fp32():  # a T4 does not run fp32 here
@@ -39,10 +39,7 @@ CASES = [
     (nb00.check_cat_step_bytes, nb00.cat_step_bytes_solution, [new_token_only, old_tokens_only]),
 ]
 
-
-@pytest.mark.parametrize("check,solution,wrongs", CASES, ids=lambda c: getattr(c, "__name__", ""))
-def test_check(capsys, check, solution, wrongs):
-    assert_check_behaves(capsys, check, solution, wrongs)
+test_check = check_tests(nb00, CASES)
 
 
 def test_t4_answer_is_bf16s():

@@ -1,12 +1,11 @@
-"""Notebook 02's exercise checks: right for the reference, patient with a stub, helpful when wrong."""
+"""Notebook 02's exercise checks, and the wrong answers each must catch."""
 
-import pytest
-
-from conftest import assert_check_behaves
 from exercises import nb02
+from helpers import check_tests
 
 
-def over_or_equal(config, dtype, limit):  # "at least" instead of "more than": one slot early when it divides
+# "at least" instead of "more than": one slot early when it divides
+def over_or_equal(config, dtype, limit):
     per_token = nb02.step_bytes_solution(config, dtype, 0)
     return -(-limit // per_token) - 1
 
@@ -28,14 +27,13 @@ def cumulative_from_zero(config, dtype, prompt, steps):  # forgets the prompt al
 
 
 CASES = [
-    (nb02.check_first_slot_over, nb02.first_slot_over_solution, [over_or_equal, over_k_only, over_plus_one]),
-    (nb02.check_cumulative_bytes, nb02.cumulative_bytes_solution, [cumulative_linear, cumulative_from_zero]),
+    (nb02.check_first_slot_over, nb02.first_slot_over_solution,
+     [over_or_equal, over_k_only, over_plus_one]),
+    (nb02.check_cumulative_bytes, nb02.cumulative_bytes_solution,
+     [cumulative_linear, cumulative_from_zero]),
 ]
 
-
-@pytest.mark.parametrize("check,solution,wrongs", CASES, ids=lambda c: getattr(c, "__name__", ""))
-def test_check(capsys, check, solution, wrongs):
-    assert_check_behaves(capsys, check, solution, wrongs)
+test_check = check_tests(nb02, CASES)
 
 
 def test_closed_form_is_the_sum_of_steps():

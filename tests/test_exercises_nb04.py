@@ -1,11 +1,9 @@
-"""Notebook 04's exercise checks: right for the reference, patient with a stub, helpful when wrong."""
+"""Notebook 04's exercise checks, and the wrong answers each must catch."""
 
-import pytest
 import torch
 import torch.nn.functional as F
-
-from conftest import assert_check_behaves
 from exercises import nb04
+from helpers import check_tests
 
 
 def wrong_strides(max_seq, n_kv_heads, head_dim, layout):
@@ -33,10 +31,7 @@ CASES = [
     (nb04.check_gqa_fold, nb04.gqa_fold_solution, [wrong_pairing, copying]),
 ]
 
-
-@pytest.mark.parametrize("check,solution,wrongs", CASES, ids=lambda c: getattr(c, "__name__", ""))
-def test_check(capsys, check, solution, wrongs):
-    assert_check_behaves(capsys, check, solution, wrongs)
+test_check = check_tests(nb04, CASES)
 
 
 def test_fold_is_a_view_and_matches_gqa():

@@ -1,12 +1,9 @@
-"""Notebook 05's exercise checks: right for the reference, patient with a stub, helpful when wrong."""
+"""Notebook 05's exercise checks, and the wrong answers each must catch."""
 
-import sys
-
-import pytest
-
-from conftest import assert_check_behaves
 from exercises import nb05
-from kvlib.config import kv_bytes_per_token  # noqa: E402
+from helpers import check_tests
+
+from kvlib.config import kv_bytes_per_token
 
 
 def uncapped(max_seq, bucket, t):  # forgets that the last span stops at max_seq
@@ -34,10 +31,7 @@ CASES = [
     (nb05.check_mask_extra_bytes, nb05.mask_extra_bytes_solution, [k_only, one_too_many]),
 ]
 
-
-@pytest.mark.parametrize("check,solution,wrongs", CASES, ids=lambda c: getattr(c, "__name__", ""))
-def test_check(capsys, check, solution, wrongs):
-    assert_check_behaves(capsys, check, solution, wrongs)
+test_check = check_tests(nb05, CASES)
 
 
 def test_not_a_pair(capsys):

@@ -1,9 +1,8 @@
-"""Notebook 06's exercise checks: right for the reference, patient with a stub, helpful when wrong."""
+"""Notebook 06's exercise checks, and the wrong answers each must catch."""
 
-import pytest
 
-from conftest import assert_check_behaves
 from exercises import nb06
+from helpers import check_tests
 
 
 def longest_no_batch(config, dtype, batch, budget_bytes):  # KV priced for one sequence only
@@ -24,20 +23,19 @@ def floor_weights_only(config, dtype, context, bandwidth):  # forgets the K/V re
 
 
 def floor_whole_embedding(config, dtype, context, bandwidth):  # reads an untied table whole too
-    extra = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size * dtype.itemsize
-    return nb06.decode_floor_ms_solution(config, dtype, context, bandwidth) + 1e3 * extra / bandwidth
+    table = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+    extra_ms = 1e3 * table * dtype.itemsize / bandwidth
+    return nb06.decode_floor_ms_solution(config, dtype, context, bandwidth) + extra_ms
 
 
 CASES = [
-    (nb06.check_longest_context, nb06.longest_context_solution, [longest_no_batch, longest_no_workspace]),
+    (nb06.check_longest_context, nb06.longest_context_solution,
+     [longest_no_batch, longest_no_workspace]),
     (nb06.check_decode_floor, nb06.decode_floor_ms_solution,
      [floor_in_seconds, floor_weights_only, floor_whole_embedding]),
 ]
 
-
-@pytest.mark.parametrize("check,solution,wrongs", CASES, ids=lambda c: getattr(c, "__name__", ""))
-def test_check(capsys, check, solution, wrongs):
-    assert_check_behaves(capsys, check, solution, wrongs)
+test_check = check_tests(nb06, CASES)
 
 
 def test_the_asked_case_is_first_and_fits():

@@ -1,1 +1,2 @@
-"""Exercise checks and reference solutions, one module per notebook."""
+"""Exercise checks and reference solutions, one module per notebook; ``checking`` holds what the
+checks share."""

@@ -1,10 +1,7 @@
 """Exercises of notebook 01 (no cache): checks and reference solutions.
 
-Each ``check_*`` prints exactly ``not attempted yet`` when the learner's function
-still raises ``NotImplementedError``, ``correct`` when it is right (``check_step_macs``
-adds one line comparing the count with the notebook's formula), and otherwise a
-message naming the numbers that differ. Everything is arithmetic on the shipped
-configs, so the checks print the same thing on every machine.
+Everything is arithmetic on the shipped configs, so the checks print the same thing on every
+machine.
 """
 
 from __future__ import annotations
@@ -12,8 +9,7 @@ from __future__ import annotations
 from kvlib.config import head_dim, load_config
 from kvlib.budget import param_count
 
-NOT_ATTEMPTED = "not attempted yet"
-
+from .checking import attempt, check, expect, hint
 
 # --- 1. multiply-adds of one no-cache step -----------------------------------------------
 
@@ -35,46 +31,41 @@ def step_macs_solution(config, t: int) -> int:
     return t * L * per_token_layer + attention + head
 
 
-def check_step_macs(fn) -> None:
-    """``fn(config, t)`` -> multiply-adds of one no-cache forward at length t."""
+@check
+def check_step_macs(fn) -> str:
+    """``fn(config, t)`` -> multiply-adds of one no-cache forward at length t.
+
+    When right, a second line compares the count with the notebook's formula: the question the
+    exercise asks. Arithmetic on the shipped configs only, so it is the same on every machine.
+    """
     for name in ("smollm2-135m", "qwen3-4b"):
         config = load_config(name)
         L, D = config.num_hidden_layers, head_dim(config)
         for t in (1, 100, 4096):
-            try:
-                got = fn(config, t)
-            except NotImplementedError:
-                print(NOT_ATTEMPTED)
-                return
+            got = attempt(fn, config, t)
             want = step_macs_solution(config, t)
-            if got == want:
-                continue
             attention = 2 * L * config.num_attention_heads * D * t * t
-            hint = ""
-            if got == 2 * want:
-                hint = " That is FLOPs: count one multiply-add once, not twice."
-            elif got == want - attention:
-                hint = " Attention is missing: Q.K^T and P.V, a t x t matrix per query head and layer."
-            elif got == want - attention // 2:
-                hint = " Attention has two products per head: Q.K^T and then P.V."
-            elif got == want - attention + 2 * L * config.num_key_value_heads * D * t * t:
-                hint = " Scores are computed per *query* head (GQA shares K/V, not the work)."
-            elif got == want - t * config.hidden_size * config.vocab_size:
-                hint = " The output head (hidden x vocab, for every position) is missing."
-            print(
-                f"{name}, t={t}: you counted {got:,} multiply-adds, expected {want:,} "
-                f"({got / want:.3f}x).{hint}"
-            )
-            return
-    print("correct")
-    # The question the exercise asks: how close is the layer-by-layer count to the notebook's formula?
-    # Arithmetic on the shipped configs only, so this line is the same on every machine.
+            gqa_attention = 2 * L * config.num_key_value_heads * D * t * t
+            expect(got == want,
+                   f"{name}, t={t}: you counted {got:,} multiply-adds, expected {want:,} "
+                   f"({got / want:.3f}x).",
+                   hint(got, {
+                       2 * want: "That is FLOPs: count one multiply-add once, not twice.",
+                       want - attention: "Attention is missing: Q.K^T and P.V, a t x t matrix "
+                                         "per query head and layer.",
+                       want - attention // 2: "Attention has two products per head: Q.K^T and "
+                                              "then P.V.",
+                       want - attention + gqa_attention: "Scores are computed per *query* head "
+                                                         "(GQA shares K/V, not the work).",
+                       want - t * config.hidden_size * config.vocab_size:
+                           "The output head (hidden x vocab, for every position) is missing.",
+                   }))
     ratios = ", ".join(
         f"{name} {2 * fn(load_config(name), 1024) / step_flops(load_config(name), 1024):.4f}"
         for name in ("smollm2-135m", "qwen3-4b")
     )
-    print(f"twice your count / (2 x params x t + attention) at t=1024: {ratios} "
-          "(params also hold norms, which do no matrix products)")
+    return (f"twice your count / (2 x params x t + attention) at t=1024: {ratios} "
+            "(params also hold norms, which do no matrix products)")
 
 
 # --- 2. total FLOPs of n tokens after a prompt of p, in closed form ----------------------
@@ -103,25 +94,17 @@ def total_flops_solution(config, p: int, n: int) -> int:
 CASES = [(1, 1), (37, 48), (512, 128), (1, 4096), (30000, 1000)]
 
 
+@check
 def check_total_flops(fn) -> None:
     """``fn(config, p, n)`` -> FLOPs of generating n tokens after p prompt tokens, no cache."""
     for name in ("smollm2-135m", "qwen3-4b"):
         config = load_config(name)
         for p, n in CASES:
-            try:
-                got = fn(config, p, n)
-            except NotImplementedError:
-                print(NOT_ATTEMPTED)
-                return
+            got = attempt(fn, config, p, n)
             want = sum(step_flops(config, t) for t in range(p, p + n))  # the plain sum
-            if abs(got - want) <= 1e-9 * want:
-                continue
-            hint = ""
-            if got == sum(step_flops(config, t) for t in range(p + 1, p + n + 1)):
-                hint = " Off by one: the first forward runs over the p prompt tokens, the last over p+n-1."
-            print(
-                f"{name}, p={p}, n={n}: you said {got:.6g} FLOPs, the sum of step_flops over "
-                f"t = p..p+n-1 is {want:.6g} ({got / want:.4f}x).{hint}"
-            )
-            return
-    print("correct")
+            shifted = sum(step_flops(config, t) for t in range(p + 1, p + n + 1))
+            expect(abs(got - want) <= 1e-9 * want,
+                   f"{name}, p={p}, n={n}: you said {got:.6g} FLOPs, the sum of step_flops over "
+                   f"t = p..p+n-1 is {want:.6g} ({got / want:.4f}x).",
+                   hint(got, {shifted: "Off by one: the first forward runs over the p prompt "
+                                       "tokens, the last over p+n-1."}))

@@ -1,10 +1,8 @@
 """Exercises of notebook 02 (the ``cat`` cache): checks and reference solutions.
 
-Each ``check_*`` prints exactly ``not attempted yet`` when the learner's function
-still raises ``NotImplementedError``, ``correct`` when it is right, and otherwise a
-message naming the numbers that differ. The answers are checked against the meter
-counting a real :class:`kvlib.CatCache` on the ``meta`` device (shapes, no memory),
-so the checks print the same thing on every machine and take no time.
+The answers are checked against the meter counting a real :class:`kvlib.CatCache` on the
+``meta`` device (shapes, no memory), so the checks print the same thing on every machine and
+take no time.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from kvlib import CatCache
 from kvlib.config import head_dim, load_config
 from kvlib.meter import AllocMeter
 
-NOT_ATTEMPTED = "not attempted yet"
+from .checking import attempt, check, expect
 
 # (shipped config, dtype, prompt tokens p, decode steps n)
 CASES = [
@@ -51,10 +49,12 @@ def _metered_steps(config, dtype: torch.dtype, prompt: int, steps: int) -> list[
 def step_bytes_solution(config, dtype: torch.dtype, t: int) -> int:
     """Bytes one decode step allocates (and copies) when the cache already holds ``t`` tokens.
 
-    Every layer makes new K and V of ``t + 1`` slots: ``2 * layers * (t+1) * kv_heads * head_dim * elt``.
+    Every layer makes new K and V of ``t + 1`` slots:
+    ``2 * layers * (t+1) * kv_heads * head_dim * elt``.
     """
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * (t + 1) * config.num_key_value_heads * head_dim(config) * element
+    kv_heads, layers = config.num_key_value_heads, config.num_hidden_layers
+    return 2 * layers * (t + 1) * kv_heads * head_dim(config) * element
 
 
 def first_slot_over_solution(config, dtype: torch.dtype, limit_bytes: int) -> int:
@@ -76,30 +76,22 @@ LIMIT_CASES = [  # (shipped config, dtype, limit in bytes)
 ]
 
 
+@check
 def check_first_slot_over(fn) -> None:
-    """``fn(config, dtype, limit)`` -> the first slot whose cat step allocates more than ``limit`` bytes."""
+    """``fn(config, dtype, limit)`` -> the first slot whose cat step allocates over ``limit`` B."""
     for name, dtype, limit in LIMIT_CASES:
         config = load_config(name)
-        try:
-            got = int(fn(config, dtype, limit))
-        except NotImplementedError:
-            print(NOT_ATTEMPTED)
-            return
-        if got < 0:
-            print(f"{name} in {_short(dtype)}, limit {limit:,} B: t={got} is not a slot")
-            return
+        got = int(attempt(fn, config, dtype, limit))
+        where = f"{name} in {_short(dtype)}, limit {limit:,} B"
+        expect(got >= 0, f"{where}: t={got} is not a slot")
         at = _metered_steps(config, dtype, got, 1)[0]
-        if at <= limit:
-            print(f"{name} in {_short(dtype)}, limit {limit:,} B: the step writing slot t={got:,} allocates "
-                  f"{at:,} B (metered), not more than the limit: t is too small")
-            return
+        expect(at > limit, f"{where}: the step writing slot t={got:,} allocates {at:,} B "
+                           f"(metered), not more than the limit: t is too small")
         if got > 0:
             before = _metered_steps(config, dtype, got - 1, 1)[0]
-            if before > limit:
-                print(f"{name} in {_short(dtype)}, limit {limit:,} B: the step writing slot t-1={got - 1:,} "
-                      f"already allocates {before:,} B (metered), more than the limit: find the smallest t")
-                return
-    print("correct")
+            expect(before <= limit, f"{where}: the step writing slot t-1={got - 1:,} already "
+                                    f"allocates {before:,} B (metered), more than the limit: "
+                                    f"find the smallest t")
 
 
 # --- 2. all the steps: the closed form ---------------------------------------------------
@@ -113,25 +105,19 @@ def cumulative_bytes_solution(config, dtype: torch.dtype, prompt: int, steps: in
     linear in the prompt, quadratic in the number of steps.
     """
     element = torch.empty((), dtype=dtype).element_size()
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * element
+    kv_heads, layers = config.num_key_value_heads, config.num_hidden_layers
+    per_token = 2 * layers * kv_heads * head_dim(config) * element
     return per_token * (steps * prompt + steps * (steps + 1) // 2)
 
 
+@check
 def check_cumulative_bytes(fn) -> None:
-    """``fn(config, dtype, prompt, steps)`` -> total bytes the cat cache allocates over ``steps`` steps."""
+    """``fn(config, dtype, prompt, steps)`` -> bytes the cat cache allocates over the steps."""
     for name, dtype, prompt, steps in CASES:
         config = load_config(name)
-        try:
-            got = fn(config, dtype, prompt, steps)
-        except NotImplementedError:
-            print(NOT_ATTEMPTED)
-            return
+        got = int(attempt(fn, config, dtype, prompt, steps))
         want = sum(_metered_steps(config, dtype, prompt, steps))
-        if int(got) != want:
-            print(
-                f"{name} in {_short(dtype)}, prompt p={prompt}, n={steps} steps: you predicted "
-                f"{int(got):,} B, the meter counted {want:,} B in total. Hint: step i leaves "
-                f"p+i+1 slots, for i = 0 .. n-1; sum them and multiply by the bytes per token."
-            )
-            return
-    print("correct")
+        expect(got == want,
+               f"{name} in {_short(dtype)}, prompt p={prompt}, n={steps} steps: you predicted "
+               f"{got:,} B, the meter counted {want:,} B in total. Hint: step i leaves "
+               f"p+i+1 slots, for i = 0 .. n-1; sum them and multiply by the bytes per token.")

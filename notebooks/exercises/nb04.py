@@ -1,9 +1,6 @@
 """Exercises of notebook 04 (layout, views and SDPA): checks and reference solutions.
 
-Each ``check_*`` prints exactly ``not attempted yet`` when the learner's function
-still raises ``NotImplementedError``, ``correct`` when it is right, and otherwise a
-message naming the numbers that differ. Checks run on small CPU tensors, so they
-print the same thing on every machine.
+Checks run on small CPU tensors, so they print the same thing on every machine.
 """
 
 from __future__ import annotations
@@ -16,8 +13,7 @@ from kvlib import KVCache
 from kvlib.config import head_dim, load_config
 from kvlib.meter import AllocMeter
 
-NOT_ATTEMPTED = "not attempted yet"
-
+from .checking import attempt, check, expect
 
 # --- 1. strides of the view SDPA gets ---------------------------------------------------
 
@@ -37,29 +33,23 @@ def view_strides_solution(max_seq: int, n_kv_heads: int, head_dim: int, layout: 
 
 
 def _true_strides(max_seq: int, n_kv_heads: int, head_dim: int, layout: str) -> tuple:
-    cache = KVCache(1, max_seq, n_kv_heads, head_dim, device="meta", dtype=torch.float32, layout=layout)
+    cache = KVCache(1, max_seq, n_kv_heads, head_dim, device="meta", dtype=torch.float32,
+                    layout=layout)
     k, _ = cache.view(0, max_seq)  # [1, H, S, D]
     return tuple(k.stride()[1:])
 
 
+@check
 def check_view_strides(fn) -> None:
     """``fn(max_seq, n_kv_heads, head_dim, layout)`` -> strides of (heads, seq, head_dim)."""
     for layout in ("seq", "head"):
         for max_seq, heads, dim in STRIDE_CASES:
-            try:
-                got = fn(max_seq, heads, dim, layout)
-            except NotImplementedError:
-                print(NOT_ATTEMPTED)
-                return
+            got = attempt(fn, max_seq, heads, dim, layout)
             want = _true_strides(max_seq, heads, dim, layout)
-            if tuple(int(x) for x in got) != want:
-                print(
-                    f"layout={layout!r}, max_seq={max_seq}, kv_heads={heads}, head_dim={dim}: "
-                    f"you said strides {tuple(got)}, the view has {want}. Hint: a stride is how "
-                    f"many elements you skip in storage to move one step along that dim."
-                )
-                return
-    print("correct")
+            expect(tuple(int(x) for x in got) == want,
+                   f"layout={layout!r}, max_seq={max_seq}, kv_heads={heads}, head_dim={dim}: "
+                   f"you said strides {tuple(got)}, the view has {want}. Hint: a stride is how "
+                   f"many elements you skip in storage to move one step along that dim.")
 
 
 # --- 2. what repeat_kv allocates -------------------------------------------------------
@@ -87,25 +77,18 @@ REPEAT_CASES = [("qwen3-4b", 32768, torch.bfloat16), ("smollm2-135m", 2048, torc
                 ("llama-3.2-3b", 8192, torch.float16)]
 
 
+@check
 def check_repeat_kv_bytes(fn) -> None:
     """``fn(config, seq, dtype)`` -> bytes repeat_kv allocates for one layer's K and V."""
     for name, seq, dtype in REPEAT_CASES:
         config = load_config(name)
-        try:
-            got = fn(config, seq, dtype)
-        except NotImplementedError:
-            print(NOT_ATTEMPTED)
-            return
+        got = int(attempt(fn, config, seq, dtype))
         want = _measured_repeat_bytes(config, seq, dtype)
-        if int(got) != want:
-            print(
-                f"{name} at {seq} tokens in {str(dtype).removeprefix('torch.')}: you predicted "
-                f"{int(got):,} B, the meter counted {want:,} B for K and V of one layer "
-                f"({config.num_attention_heads} query heads, {config.num_key_value_heads} KV heads, "
-                f"head_dim {head_dim(config)})."
-            )
-            return
-    print("correct")
+        expect(got == want,
+               f"{name} at {seq} tokens in {str(dtype).removeprefix('torch.')}: you predicted "
+               f"{got:,} B, the meter counted {want:,} B for K and V of one layer "
+               f"({config.num_attention_heads} query heads, {config.num_key_value_heads} KV "
+               f"heads, head_dim {head_dim(config)}).")
 
 
 # --- 3. GQA by folding query heads -----------------------------------------------------
@@ -127,37 +110,29 @@ def gqa_fold_solution(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
 
 
 def _gqa_inputs(seed: int = 0):
-    """SmolLM2's heads (9 query, 3 KV, head_dim 64) over the seed's permuted view."""
+    """SmolLM2's heads (9 query, 3 KV, head_dim 64) over the original design's permuted view."""
     g = torch.Generator().manual_seed(seed)
     seq, h_q, h_kv, d = 512, 9, 3, 64
     q = torch.randn(1, h_q, 1, d, generator=g)
-    store_k = torch.randn(seq, h_kv, d, generator=g)  # the seed's [S, Hkv, D]
+    store_k = torch.randn(seq, h_kv, d, generator=g)  # the original design's [S, Hkv, D]
     store_v = torch.randn(seq, h_kv, d, generator=g)
     return q, store_k.permute(1, 0, 2).unsqueeze(0), store_v.permute(1, 0, 2).unsqueeze(0)
 
 
+@check
 def check_gqa_fold(fn) -> None:
     """``fn(q, k, v)`` must equal ``enable_gqa=True`` and allocate no copy of K or V."""
     q, k, v = _gqa_inputs()
     want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     kv_bytes = k.numel() * k.element_size()
-    try:
-        # the CPU's fused kernel: it reads strided K/V in place, so any copy is yours
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), AllocMeter() as meter:
-            got = fn(q, k, v)
-    except NotImplementedError:
-        print(NOT_ATTEMPTED)
-        return
-    if tuple(got.shape) != tuple(want.shape):
-        print(f"output shape {tuple(got.shape)}, expected {tuple(want.shape)} ([1, Hq, 1, D])")
-        return
+    # the CPU's fused kernel: it reads strided K/V in place, so any copy is yours
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), AllocMeter() as meter:
+        got = attempt(fn, q, k, v)
+    expect(tuple(got.shape) == tuple(want.shape),
+           f"output shape {tuple(got.shape)}, expected {tuple(want.shape)} ([1, Hq, 1, D])")
     err = (got - want).abs().max().item()
-    if err > 1e-5:
-        print(f"output differs from enable_gqa=True by up to {err:.3g}: is query head i paired "
-              f"with KV head i // group (not i % n_kv_heads)?")
-        return
-    if meter.total >= kv_bytes:
-        print(f"same output, but your function allocated {meter.total:,} B, at least one K or V "
-              f"({kv_bytes:,} B): something copied K/V ({meter.by_op})")
-        return
-    print("correct")
+    expect(err <= 1e-5, f"output differs from enable_gqa=True by up to {err:.3g}: is query head i "
+                        f"paired with KV head i // group (not i % n_kv_heads)?")
+    expect(meter.total < kv_bytes,
+           f"same output, but your function allocated {meter.total:,} B, at least one K or V "
+           f"({kv_bytes:,} B): something copied K/V ({meter.by_op})")

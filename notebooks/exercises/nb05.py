@@ -1,10 +1,8 @@
 """Exercises of notebook 05 (static shapes and CUDA graphs): checks and reference solutions.
 
-Each ``check_*`` prints exactly ``not attempted yet`` when the learner's function
-still raises ``NotImplementedError``, ``correct`` when it is right, and otherwise a
-message naming the numbers that differ. The answers are checked against kvlib
-itself (:class:`kvlib.graphs.StaticStep` and :class:`kvlib.KVCache` on the ``meta``
-device: shapes, no memory), so they print the same thing on every machine.
+The answers are checked against kvlib itself (:class:`kvlib.graphs.StaticStep` and
+:class:`kvlib.KVCache` on the ``meta`` device: shapes, no memory), so they print the same thing
+on every machine.
 
 Throughout, ``t`` is the number of tokens in the cache at a decode step, the one
 being decoded included: the step runs at position ``t - 1`` and must see ``t`` slots.
@@ -18,8 +16,7 @@ from kvlib import KVCache
 from kvlib.config import kv_bytes_per_token, load_config
 from kvlib.graphs import StaticStep
 
-NOT_ATTEMPTED = "not attempted yet"
-
+from .checking import attempt, check, expect
 
 # --- 1. the span a bucketed step reads, and how many graphs -----------------------------
 
@@ -34,7 +31,7 @@ BUCKET_CASES = [  # (max_seq, bucket, t)
 
 
 def bucket_plan_solution(max_seq: int, bucket: int, t: int) -> tuple[int, int]:
-    """``(span, n_graphs)``: slots a bucketed step reads with ``t`` tokens, and graphs to capture."""
+    """``(span, n_graphs)``: slots a bucketed step reads at ``t`` tokens, graphs to capture."""
     span = min(max_seq, -(-t // bucket) * bucket)  # t rounded up to a whole bucket, capped
     n_graphs = -(-max_seq // bucket)  # one per bucket: ceil(max_seq / bucket)
     return span, n_graphs
@@ -46,29 +43,28 @@ def _true_plan(max_seq: int, bucket: int, t: int) -> tuple[int, int]:
     return step.span(t - 1), len({step.span(p) for p in range(max_seq)})
 
 
+def _pair(got) -> tuple[int, int] | None:
+    """``got`` as two ints, or None when it is not a pair of numbers."""
+    try:
+        span, n_graphs = (int(x) for x in got)
+    except (TypeError, ValueError):
+        return None
+    return span, n_graphs
+
+
+@check
 def check_bucket_plan(fn) -> None:
     """``fn(max_seq, bucket, t)`` -> ``(span, n_graphs)``, as kvlib's StaticStep does it."""
     for max_seq, bucket, t in BUCKET_CASES:
-        try:
-            got = fn(max_seq, bucket, t)
-        except NotImplementedError:
-            print(NOT_ATTEMPTED)
-            return
+        answer = attempt(fn, max_seq, bucket, t)
         want = _true_plan(max_seq, bucket, t)
-        try:
-            got = tuple(int(x) for x in got)
-        except (TypeError, ValueError):
-            print(f"return a pair (span, n_graphs), not {got!r}")
-            return
-        if got != want:
-            print(
-                f"max_seq={max_seq}, bucket={bucket}, t={t}: you said span {got[0]}, "
-                f"{got[1]} graphs; StaticStep reads {want[0]} slots and captures {want[1]} graphs. "
-                f"Hint: the span is t rounded up to a whole bucket, never past max_seq; "
-                f"there is one graph per distinct span."
-            )
-            return
-    print("correct")
+        got = _pair(answer)
+        expect(got is not None, f"return a pair (span, n_graphs), not {answer!r}")
+        expect(got == want,
+               f"max_seq={max_seq}, bucket={bucket}, t={t}: you said span {got[0]}, "
+               f"{got[1]} graphs; StaticStep reads {want[0]} slots and captures {want[1]} "
+               f"graphs. Hint: the span is t rounded up to a whole bucket, never past max_seq; "
+               f"there is one graph per distinct span.")
 
 
 # --- 2. what the whole-buffer mask reads for nothing ------------------------------------
@@ -96,22 +92,15 @@ def _true_extra(config, dtype: torch.dtype, max_seq: int, t: int) -> int:
     return extra
 
 
+@check
 def check_mask_extra_bytes(fn) -> None:
-    """``fn(config, dtype, max_seq, t)`` -> extra bytes read by attending over the whole buffer."""
+    """``fn(config, dtype, max_seq, t)`` -> extra bytes read attending over the whole buffer."""
     for name, dtype, max_seq, t in MASK_CASES:
         config = load_config(name)
-        try:
-            got = fn(config, dtype, max_seq, t)
-        except NotImplementedError:
-            print(NOT_ATTEMPTED)
-            return
+        got = int(attempt(fn, config, dtype, max_seq, t))
         want = _true_extra(config, dtype, max_seq, t)
-        if int(got) != want:
-            print(
-                f"{name} in {str(dtype).removeprefix('torch.')}, max_seq={max_seq}, t={t}: you said "
-                f"{int(got):,} B, the cache's views differ by {want:,} B "
-                f"({max_seq - t} masked slots; K and V, {config.num_hidden_layers} layers, "
-                f"{config.num_key_value_heads} KV heads)."
-            )
-            return
-    print("correct")
+        expect(got == want,
+               f"{name} in {str(dtype).removeprefix('torch.')}, max_seq={max_seq}, t={t}: you "
+               f"said {got:,} B, the cache's views differ by {want:,} B "
+               f"({max_seq - t} masked slots; K and V, {config.num_hidden_layers} layers, "
+               f"{config.num_key_value_heads} KV heads).")

@@ -1,9 +1,7 @@
 """Exercises of notebook 06 (capstone: a 12 GB card): checks and reference solutions.
 
-Each ``check_*`` prints exactly ``not attempted yet`` when the learner's function
-still raises ``NotImplementedError``, ``correct`` when it is right, and otherwise a
-message naming the numbers that differ. Everything is arithmetic on shipped
-configs, so the checks print the same thing on every machine.
+Everything is arithmetic on shipped configs, so the checks print the same thing on every
+machine.
 """
 
 from __future__ import annotations
@@ -11,10 +9,11 @@ from __future__ import annotations
 import torch
 
 from kvlib.bandwidth import decode_bytes
-from kvlib.config import GIB, kv_bytes_per_token, load_config
 from kvlib.budget import plan_budget, weight_bytes, workspace_bytes
+from kvlib.config import GIB, kv_bytes_per_token, load_config
 
-NOT_ATTEMPTED = "not attempted yet"
+from .checking import attempt, check, expect
+
 PREFILL_CHUNK = 512
 
 
@@ -41,25 +40,19 @@ LONGEST_CASES = [  # (config, dtype, batch, budget GiB): the asked one first
 ]
 
 
+@check
 def check_longest_context(fn) -> None:
-    """``fn(config, dtype, batch, budget_bytes)`` -> the longest context, against ``plan_budget``."""
+    """``fn(config, dtype, batch, budget_bytes)`` -> the longest context, as ``plan_budget``."""
     for name, dtype, batch, gib in LONGEST_CASES:
         config = load_config(name)
-        try:
-            got = fn(config, dtype, batch, gib * GIB)
-        except NotImplementedError:
-            print(NOT_ATTEMPTED)
-            return
+        got = attempt(fn, config, dtype, batch, gib * GIB)
         plan = plan_budget(config, dtype, gib * GIB, batch=batch, prefill_chunk=PREFILL_CHUNK)
-        if got is None or int(got) != plan.max_context:
-            print(
-                f"{name} in {_name(dtype)}, batch {batch}, {gib} GiB: you said {got}, the plan says "
-                f"{plan.max_context:,} tokens per sequence (weights {plan.weights:,} B, workspace "
-                f"{plan.workspace:,} B for a {PREFILL_CHUNK}-token chunk of the batch, KV "
-                f"{plan.kv_per_token:,} B per token for all {batch} sequences). Hint: round down."
-            )
-            return
-    print("correct")
+        expect(got is not None and int(got) == plan.max_context,
+               f"{name} in {_name(dtype)}, batch {batch}, {gib} GiB: you said {got}, the plan "
+               f"says {plan.max_context:,} tokens per sequence (weights {plan.weights:,} B, "
+               f"workspace {plan.workspace:,} B for a {PREFILL_CHUNK}-token chunk of the batch, "
+               f"KV {plan.kv_per_token:,} B per token for all {batch} sequences). "
+               f"Hint: round down.")
 
 
 # --- 2. the floor under a decode step ----------------------------------------------------
@@ -75,38 +68,32 @@ FLOOR_CASES = [  # (config, dtype, context, bandwidth in bytes/s)
     ("llama-3.2-3b", torch.float16, 8192, 1e12),
     ("qwen2.5-3b", torch.bfloat16, 4096, 300e9),
     ("smollm2-135m", torch.float32, 1024, 20e9),  # a laptop CPU
-    ("qwen2.5-3b untied", torch.bfloat16, 4096, 300e9),  # as its bigger siblings: the table is not read whole
+    # as its bigger siblings: the table is not read whole
+    ("qwen2.5-3b untied", torch.bfloat16, 4096, 300e9),
 ]
+RTOL = 1e-3
 
 
 def _config(name: str):
-    """A shipped config; "<name> untied" is the same with its own output head (no tied embedding)."""
+    """A shipped config; "<name> untied" is the same with its own output head (not tied)."""
     config = load_config(name.removesuffix(" untied"))
     if name.endswith(" untied"):
         config.tie_word_embeddings = False
     return config
-RTOL = 1e-3
 
 
+@check
 def check_decode_floor(fn) -> None:
     """``fn(config, dtype, context, bandwidth)`` -> the floor in ms, within 0.1%."""
     for name, dtype, context, bw in FLOOR_CASES:
         config = _config(name)
-        try:
-            got = fn(config, dtype, context, bw)
-        except NotImplementedError:
-            print(NOT_ATTEMPTED)
-            return
+        got = attempt(fn, config, dtype, context, bw)
         want = decode_floor_ms_solution(config, dtype, context, bw)
-        if got is None or abs(float(got) - want) > RTOL * want:
-            kv = kv_bytes_per_token(config, dtype) * context
-            weights = decode_bytes(config, dtype, context) - kv
-            print(
-                f"{name} in {_name(dtype)} at {context:,} tokens, {bw / 1e9:g} GB/s: you said {got} ms, "
-                f"the floor is {want:.3f} ms = ({weights:,} B of weights read + {kv:,} B of K/V) / "
-                f"bandwidth. Hint: milliseconds, not seconds; "
-                + ("the untied embedding table is not read whole." if not config.tie_word_embeddings
-                   else "the tied embedding is read once, as the output head.")
-            )
-            return
-    print("correct")
+        kv = kv_bytes_per_token(config, dtype) * context
+        weights = decode_bytes(config, dtype, context) - kv
+        head = ("the tied embedding is read once, as the output head."
+                if config.tie_word_embeddings else "the untied embedding table is not read whole.")
+        expect(got is not None and abs(float(got) - want) <= RTOL * want,
+               f"{name} in {_name(dtype)} at {context:,} tokens, {bw / 1e9:g} GB/s: you said "
+               f"{got} ms, the floor is {want:.3f} ms = ({weights:,} B of weights read + {kv:,} B "
+               f"of K/V) / bandwidth. Hint: milliseconds, not seconds; {head}")
