@@ -187,8 +187,8 @@ def figures(res: dict, out: Path) -> None:
                where, out)
     ms, floor = caches["prealloc"]["ms_per_token"], res["bandwidth"]["floor_ms"]
     ok = [i for i, m in enumerate(ms) if m is not None]  # an OOM context has no point to plot
-    fig = plots.roofline([cs[i] for i in ok], [ms[i] for i in ok], [floor[i] for i in ok], where)
-    plots.save(fig, "bench_roofline", res["bandwidth"] | {"contexts": cs}, where, out)
+    fig = plots.against_floor([cs[i] for i in ok], [ms[i] for i in ok], [floor[i] for i in ok], where)
+    plots.save(fig, "bench_floor", res["bandwidth"] | {"contexts": cs}, where, out)
     if "longest" in res:
         trace = res["longest"]["cat_trace"]
         rows = {k: [r[k] for r in trace] for k in ("tokens", "allocated", "reserved")}

@@ -21,8 +21,8 @@ from matplotlib.text import Text
 from kvlib.config import GIB, MIB
 from kvlib.budget import Budget
 
-__all__ = ["FIGURES", "budget_bar", "bytes_per_step", "cumulative_bytes", "load", "memory_vs_tokens",
-           "roofline", "save", "time_per_step"]
+__all__ = ["FIGURES", "against_floor", "budget_bar", "bytes_per_step", "cumulative_bytes", "load",
+           "memory_vs_tokens", "save", "time_per_step"]
 
 # The repo's figures/, found from the package, so notebooks/ and the repo root agree.
 FIGURES = Path(__file__).resolve().parent.parent / "figures"
@@ -74,12 +74,17 @@ def memory_vs_tokens(rows_by_name: dict[str, dict[str, list]], label: str,
     return _finish(fig, ax)
 
 
-def time_per_step(series: dict[str, tuple[Sequence, Sequence]], label: str,
-                  xlabel: str = "context (tokens)") -> Figure:
-    """Milliseconds per decode step against the context it attends over, one line per series."""
+def time_per_step(series: dict[str, tuple], label: str, xlabel: str = "context (tokens)") -> Figure:
+    """Milliseconds per decode step against the context it attends over, one line per series.
+
+    A series is ``(tokens, ms)`` or ``(tokens, ms, (low, high))``: the spread of the repeats, drawn as
+    a band, so a difference smaller than the noise looks like one.
+    """
     fig, ax = _figure("Time per decode step", label, xlabel, "ms / step")
-    for name, (tokens, ms) in series.items():
-        ax.plot(tokens, ms, "o-" if len(tokens) < 20 else "-", ms=4, label=name)
+    for name, (tokens, ms, *spread) in series.items():
+        (line,) = ax.plot(tokens, ms, "o-" if len(tokens) < 20 else "-", ms=4, label=name)
+        if spread:
+            ax.fill_between(tokens, *spread[0], color=line.get_color(), alpha=0.2, lw=0)
     return _finish(fig, ax)
 
 
@@ -111,34 +116,36 @@ _PARTS = (("weights", "weights", "tab:blue"), ("kv", "KV cache", "tab:orange"),
 def budget_bar(budget: Budget | list[tuple[str, Budget]], context: int, label: str) -> Figure:
     """Stacked bars, one per budget: weights, KV at ``context`` tokens, workspace, free.
 
-    Segments are annotated in GiB, the budget is a red tick; where ``context`` does not fit, the bar
-    crosses it and says by how much.
+    Segments are annotated in GiB and the budget is a red tick. Where ``context`` does not fit, every
+    segment is still drawn, past the tick, and the bar says by how much it is over.
     """
     named = [("", budget)] if isinstance(budget, Budget) else list(budget)
     fig, ax = _figure(f"Memory budget at {context:,} tokens", label, "GiB", "",
                       size=(7.0, 1.4 + 0.6 * len(named)))
+    widest = 0.0
     for y, (_, b) in enumerate(named):
-        left = 0.0
+        parts, left = b.breakdown(context), 0.0
         for part, name, color in _PARTS:
-            width = b.breakdown(context)[part] / GIB
-            if width < 0:  # only free goes negative: the parts before it cross the line
-                ax.text(left, y, f"  over by {-width:.2f} GiB", va="center", color="crimson", fontsize=8)
-                break
+            width = max(parts[part], 0) / GIB
             ax.barh(y, width, left=left, color=color, edgecolor="white", label=name)
             if width > 0.04 * b.budget / GIB:
                 ax.text(left + width / 2, y, f"{width:.2f}", ha="center", va="center", fontsize=8)
             left += width
+        if parts["free"] < 0:
+            ax.text(left, y, f" over by {-parts['free'] / GIB:.2f} GiB", va="center", color="crimson",
+                    fontsize=8)
         ax.plot([b.budget / GIB] * 2, [y - 0.45, y + 0.45], color="crimson", lw=1.5, label="budget")
+        widest = max(widest, left, b.budget / GIB)
     ax.set_yticks(range(len(named)), [n for n, _ in named])
-    ax.set_xlim(0, 1.08 * max(b.budget for _, b in named) / GIB)  # room for the budget tick
+    ax.set_xlim(0, 1.25 * widest)  # room for the budget tick and the "over by" note
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))  # one entry per part, however many bars
     fig.legend(unique.values(), unique.keys(), fontsize=8, ncols=len(unique), loc="outside lower center")
     return fig
 
 
-def roofline(contexts: Sequence[int], measured_ms: Sequence[float], floor_ms: Sequence[float],
-             label: str) -> Figure:
+def against_floor(contexts: Sequence[int], measured_ms: Sequence[float], floor_ms: Sequence[float],
+                  label: str) -> Figure:
     """Measured ms/token against the bandwidth floor, each point annotated with its MBU."""
     fig, ax = _figure("Decode time against the bandwidth floor", label, "context (tokens)", "ms / token")
     ax.plot(contexts, measured_ms, "o-", label="measured")

@@ -28,7 +28,7 @@ def test_quick_bench_prints_one_json_line_and_writes_figures(tmp_path):
     per_token = kv_bytes_per_token(load_config("smollm2-135m"), torch.float32)
     assert res["caches"]["prealloc"]["cache_bytes_per_step"] == [0] * n
     assert res["caches"]["cat"]["cache_bytes_per_step"] == [per_token * (c + 1) for c in res["contexts"]]
-    for name in ("bench_time", "bench_bytes", "bench_roofline"):
+    for name in ("bench_time", "bench_bytes", "bench_floor"):
         assert (tmp_path / f"{name}.png").is_file()
         assert json.loads((tmp_path / f"{name}.json").read_text())["label"] == res["label"]
     assert "ms per decode step" in (tmp_path / "bench.md").read_text()

@@ -1,6 +1,7 @@
 """The bandwidth floor's arithmetic, the bandwidth probe, and every plot with its label."""
 
 import json
+import subprocess
 from pathlib import Path
 
 import matplotlib
@@ -73,7 +74,7 @@ def all_figures():
                                          "prealloc": (t, [0] * 4)}, LABEL),
         "bar": plots.budget_bar([("fits", b), ("tight", b)], 30_000, LABEL),
         "over": plots.budget_bar(b, b.max_context + 10_000, LABEL),
-        "roofline": plots.roofline([1024, 8192], [30.0, 40.0], [15.0, 20.0], LABEL),
+        "floor": plots.against_floor([1024, 8192], [30.0, 40.0], [15.0, 20.0], LABEL),
     }
 
 
@@ -84,9 +85,36 @@ def test_every_plot_shows_its_label_and_units():
         assert LABEL in texts, name
         assert isinstance(fig, matplotlib.figure.Figure)
     assert figs["memory"].axes[0].get_ylabel() == "GiB"
-    assert "50%" in shown(figs["roofline"])
-    assert any(t.startswith("  over by") for t in shown(figs["over"]))
+    assert "50%" in shown(figs["floor"])
+    assert any(t.startswith(" over by") for t in shown(figs["over"]))
     assert not any("over by" in t for t in shown(figs["bar"]))
+
+
+def test_a_bar_over_budget_draws_every_part_and_fits_on_the_axes():
+    b = plan_budget(load_config("qwen3-4b"), torch.float32, 12 * GIB)  # fp32 weights alone are over
+    fig = plots.budget_bar(b, 8192, LABEL)
+    ax = fig.axes[0]
+    parts = b.breakdown(8192)
+    widths = sorted(round(p.get_width(), 6) for p in ax.patches if p.get_width() > 0)
+    assert widths == sorted(round(parts[k] / GIB, 6) for k in ("weights", "kv", "workspace"))
+    assert ax.get_xlim()[1] > (parts["weights"] + parts["kv"] + parts["workspace"]) / GIB
+
+
+def test_time_per_step_draws_the_spread_as_a_band():
+    fig = plots.time_per_step({"a": ([1, 2], [3.0, 4.0], ([2.5, 3.5], [3.5, 4.5]))}, LABEL)
+    assert len(fig.axes[0].collections) == 1  # the band
+
+
+def test_figures_of_a_run_go_to_an_ignored_folder(monkeypatch):
+    monkeypatch.delenv("KVLIB_SAVE_FIGURES", raising=False)
+    fig = plots.time_per_step({"a": ([1], [1.0])}, LABEL)
+    png, js = plots.save(fig, "_test_default_dir", {}, LABEL)
+    try:
+        assert png.parent == plots.FIGURES / "runs"
+        ignored = subprocess.run(["git", "check-ignore", "-q", str(png)], cwd=plots.FIGURES.parent)
+        assert ignored.returncode == 0, f"{png} is not ignored by git"
+    finally:
+        png.unlink(), js.unlink()
 
 
 def test_save_load_round_trip(tmp_path):
