@@ -40,7 +40,7 @@ def auto_dtype(device: torch.device | str) -> torch.dtype:
     *emulated*, which runs but is slow and teaches the wrong speed. fp32 on CPU, where fp16/bf16
     matmuls are mostly slower, not faster.
     """
-    device = resolve(device)
+    device = torch.device(device)  # a bare "cuda" is fine here: torch reads the current card
     if device.type != "cuda":
         return torch.float32
     return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
