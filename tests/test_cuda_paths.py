@@ -471,3 +471,19 @@ def test_longest_context_finds_the_limit_of_each_cache(monkeypatch):
     assert out["cat"] < out["prealloc"]  # every regrowth is a new allocation
     assert out["cat_trace"][-1]["tokens"] == out["cat"] - 1 - 16  # zeros up to the last chunk
     assert bench.longest_context(model, held, chunk=16)["prealloc"] == 0  # nothing left
+
+
+# --- on a real card (the GPU check runs these; skipped elsewhere) -------------------------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+def test_real_graphs_give_the_static_tokens_and_hold_their_pools():
+    model = tiny_model("qwen3").to("cuda")
+    ids = torch.randint(0, 512, (1, 21), generator=torch.Generator().manual_seed(1))
+    want = kvlib.generate(model, ids, 24, max_seq=64, step="static", bucket=16).tokens
+    cache = KVCache.for_model(model.config, 64, device="cuda", dtype=model.dtype)
+    step = graphs.StaticStep(model, cache, bucket=16)
+    assert step.capture and kvlib.generate(model, ids, 24, step=step).tokens == want
+    assert sorted(step.memory) == [32, 48]
+    assert all(m["reserved"] > 0 and m["allocated"] >= 0 for m in step.memory.values())
