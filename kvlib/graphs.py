@@ -1,47 +1,79 @@
 """Static shapes, then a CUDA graph: what a cache that never moves makes possible.
 
-A decode step launches hundreds of small kernels; for a small batch the GPU often waits on the Python
-that launches them. A CUDA graph records the step's kernels once and replays them with one launch, but
-only if every tensor the step touches keeps its address and shape. The preallocated cache gives the
-addresses; the rest is made static here:
+A decode step launches hundreds of small kernels; for a small batch the GPU often waits on the
+Python that launches them. A CUDA graph records the step's kernels once and replays them with one
+launch, but only if every tensor the step touches keeps its address and shape. The preallocated
+cache gives the addresses; the rest is made static here:
 
-- the input token and the position live in fixed device buffers (``KVCache.write_at`` takes the position
-  as a tensor);
+- the input token and the position live in fixed device buffers (``KVCache.write_at`` takes the
+  position as a tensor);
 - attention reads a fixed ``span`` of slots and masks those past the position. Slicing to the exact
-  length would change shape every step; masking the whole buffer would read ``max_seq`` slots at every
-  step. Spans in buckets of ``bucket`` slots sit between: one graph per bucket, at most ``bucket - 1``
-  masked slots read.
+  length would change shape every step; masking the whole buffer would read ``max_seq`` slots at
+  every step. Spans in buckets of ``bucket`` slots sit between: one graph per bucket, at most
+  ``bucket - 1`` masked slots read.
 
-:class:`StaticStep` runs that step with ``capture=False`` on any device (the CPU tests check its tokens
-against the eager loop), and captures and replays it on CUDA. Sampling stays outside the graph: its RNG
-state would be frozen in.
+:class:`StaticStep` runs that step with ``capture=False`` on any device (the CPU tests check its
+tokens against the eager loop), and captures and replays it on CUDA. Sampling stays outside the
+graph: its RNG state would be frozen in. Nothing in the step may read a device value on the host: a
+capture cannot wait for the GPU, and a replay would reuse the capture's answer.
 """
+
+import functools
+import gc
 
 import torch
 
 from .decoder import forward_static
+from .env import resolve
 
-__all__ = ["StaticStep"]
+__all__ = ["StaticStep", "capture_graph"]
+
+HOST_WAIT_ROPE = ("dynamic", "longrope")  # rotary updates that compare a position on the host
+
+
+def _host_wait_rope(model) -> str | None:
+    """The rope type of ``model``'s rotary embedding whose update waits on the host, if any.
+
+    ``transformers`` rescales ``dynamic`` (and ``*dynamic*``) and ``longrope`` rotary embeddings by
+    comparing the largest position with a length in Python before every forward (``longrope`` in
+    the releases before 5.24): a host sync on every step, and in a CUDA graph a choice frozen at
+    capture time. Read from the module that runs, which took it from ``config.rope_parameters``
+    (``rope_scaling`` in older releases).
+    """
+    kinds = getattr(getattr(getattr(model, "model", None), "rotary_emb", None), "rope_type", None)
+    for kind in (kinds.values() if isinstance(kinds, dict) else [kinds]):
+        if isinstance(kind, str) and any(k in kind for k in HOST_WAIT_ROPE):
+            return kind
+    return None
 
 
 class StaticStep:
     """``step(token [1, 1], pos) -> logits [1, vocab]`` with static shapes.
 
     The logits are the graph's output buffer: read them (pick the next token) before the next call
-    overwrites them.
+    overwrites them. ``memory[span]`` is what capturing that span's graph added
+    (:func:`capture_graph`).
     """
 
     def __init__(self, model, cache, *, bucket: int = 256, capture: bool | None = None) -> None:
         if not hasattr(cache, "write_at"):
-            raise TypeError(f"static shapes need a preallocated cache, not {type(cache).__name__}")
+            raise TypeError(f"static shapes need a preallocated cache, "
+                            f"not {type(cache).__name__}")
         device = cache.device
         self.capture = device.type == "cuda" if capture is None else capture
         if self.capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the cache is on {device}")
+        rope = _host_wait_rope(model)
+        if rope is not None:
+            raise NotImplementedError(f"rope_type {rope!r} updates its frequencies from the "
+                                      f"positions on the host, which a static or graph step "
+                                      f"cannot do; use step='eager'")
         self.model, self.cache, self.bucket = model, cache, int(bucket)
+        self.device = device
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)  # static inputs
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.memory: dict[int, dict[str, int]] = {}
 
     def span(self, pos: int) -> int:
         """Slots attention reads at position ``pos``: the bucket holding it."""
@@ -50,30 +82,54 @@ class StaticStep:
     @torch.no_grad()
     def __call__(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         if not 0 <= pos < self.cache.max_seq:
-            raise ValueError(f"KV overflow: writing slots {pos}..{pos + 1} into max_seq={self.cache.max_seq}")
+            raise ValueError(f"KV overflow: writing slots {pos}..{pos + 1} "
+                             f"into max_seq={self.cache.max_seq}")
         self.token.copy_(token)
         self.pos.fill_(pos)  # a scalar fill: no host sync
         span = self.span(pos)
+        run = lambda: forward_static(self.model, self.token, self.cache, self.pos, span)  # noqa: E731
         if not self.capture:
-            logits = forward_static(self.model, self.token, self.cache, self.pos, span)
+            logits = run()
         else:
             if span not in self.graphs:
-                self.graphs[span] = self._capture(span)
+                graph, out, self.memory[span] = capture_graph(run, self.device)
+                self.graphs[span] = graph, out
             graph, logits = self.graphs[span]
             graph.replay()
         self.cache.seq_len = pos + 1
         return logits
 
-    def _capture(self, span: int):
-        """Warm up on a side stream (lazy init must not be captured), then record."""
-        run = lambda: forward_static(self.model, self.token, self.cache, self.pos, span)  # noqa: E731
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # rewrites this position's K/V with the same values
-                run()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = run()
-        return graph, logits
+
+@functools.cache
+def _side_stream(index: int) -> torch.cuda.Stream:
+    """One side stream per card for every warm-up and capture: cuBLAS keeps a workspace per
+    stream, so a new stream per capture would leave one more workspace behind each time."""
+    return torch.cuda.Stream(index)
+
+
+def capture_graph(run, device: torch.device | str):
+    """``(graph, output, memory)``: ``run()`` recorded as a CUDA graph, after two warm-up calls.
+
+    Warm-up and capture run on the card's one side stream (lazy initialisation, cuBLAS handles and
+    kernel choice must not be captured). ``output`` is the buffer every ``graph.replay()`` rewrites.
+    ``memory`` is what the capture added: ``allocated``, the tensors the graph keeps alive (its
+    output), and ``reserved``, its private memory pool, held as long as the graph lives. Both are
+    measured from an emptied cache: ``torch.cuda.graph`` empties it on entry, so a ``reserved`` read
+    before that would subtract blocks that were merely cached.
+    """
+    device = resolve(device)
+    stream = _side_stream(device.index)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # a decode step rewrites its position's K/V with the same values
+            run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        output = run()
+    memory = {"allocated": torch.cuda.memory_allocated(device) - before[0],
+              "reserved": torch.cuda.memory_reserved(device) - before[1]}
+    return graph, output, memory

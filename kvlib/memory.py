@@ -1,26 +1,29 @@
-"""Memory over time, the allocator's own settings, and the 12 GiB emulation.
+"""Memory over time, the 12 GiB emulation, and the largest size that fits.
 
 Three numbers answer three questions, and the course never mixes them up: ``allocated`` is what live
-tensors hold; ``reserved`` is what the caching allocator took from the driver (allocated plus its cache,
-the number that actually runs out); ``peak_*`` is the high-water mark since the last reset. What
-``nvidia-smi`` shows is larger still (``outside_allocator``).
+tensors hold; ``reserved`` is what the caching allocator took from the driver (allocated plus its
+cache, the number that actually runs out); ``peak_*`` is the high-water mark since the last reset.
+What ``nvidia-smi`` shows is larger still (``outside_allocator``).
 
-On a CPU there is no allocator to ask, so the only honest number is the process's resident set size. No
-function here touches ``torch.cuda`` unless the device is a CUDA device.
+On a CPU there is no allocator to ask, so the only honest number is the process's resident set size.
+No function here touches ``torch.cuda`` unless the device is a CUDA device, and each resolves a bare
+``"cuda"`` to an indexed device first (:func:`kvlib.env.resolve`).
 """
 
+import gc
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
-from .env import default_device
+from .config import GIB
+from .env import default_device, resolve
 
-__all__ = ["Cap", "MemoryTrace", "allocator_settings", "cap_memory", "memory_snapshot", "memory_stats"]
+__all__ = ["Cap", "MemoryTrace", "allocator_budget", "cap_memory", "free", "largest",
+           "memory_snapshot", "memory_stats"]
 
-GIB = 2**30
 
 
 def _rss() -> int:
@@ -35,26 +38,26 @@ def _rss() -> int:
 def memory_stats(device: torch.device | str) -> dict[str, int]:
     """Bytes, now. CUDA: allocator and device view; anything else: ``rss``.
 
-    ``device_used`` is ``total - free`` from the driver, for the whole card (so other processes count
-    too); ``outside_allocator = device_used - reserved`` is therefore the CUDA context, cuBLAS/cuDNN
-    workspaces the allocator does not own, and any other process on the same card.
+    ``device_used`` is ``total - free`` from the driver, for the whole card (so other processes
+    count too); ``outside_allocator = device_used - reserved`` is therefore the CUDA context,
+    cuBLAS/cuDNN workspaces the allocator does not own, and any other process on the same card.
     """
-    device = torch.device(device)
+    device = resolve(device)
     if device.type != "cuda":
         return {"rss": _rss()}
-    free, total = torch.cuda.mem_get_info(device)
+    unused, total = torch.cuda.mem_get_info(device)
     reserved = torch.cuda.memory_reserved(device)
     return {"allocated": torch.cuda.memory_allocated(device), "reserved": reserved,
             "peak_allocated": torch.cuda.max_memory_allocated(device),
             "peak_reserved": torch.cuda.max_memory_reserved(device),
-            "device_used": total - free, "outside_allocator": total - free - reserved}
+            "device_used": total - unused, "outside_allocator": total - unused - reserved}
 
 
 class MemoryTrace:
     """One :func:`memory_stats` row per ``record(tokens)``: memory against length."""
 
     def __init__(self, device: torch.device | str) -> None:
-        self.device = torch.device(device)
+        self.device = resolve(device)
         self.rows: list[dict[str, int]] = []
 
     def record(self, tokens: int) -> dict[str, int]:
@@ -72,32 +75,26 @@ class MemoryTrace:
             torch.cuda.reset_peak_memory_stats(self.device)
 
 
-def allocator_settings(device: torch.device | str) -> dict:
-    """What the CUDA caching allocator is running with, asked of the allocator.
+def free(device: torch.device | str) -> None:
+    """Collect garbage, then hand the allocator's cached blocks back (CUDA), so that the next
+    measurement starts from what is live, not from what the last one left cached."""
+    gc.collect()
+    if resolve(device).type == "cuda":
+        torch.cuda.empty_cache()
 
-    ``config`` is the option string the allocator last parsed (from ``PYTORCH_ALLOC_CONF`` at start-up
-    or a later runtime change), so it is what took effect, not what the environment says now.
-    ``expandable_segments`` is read from the live segments when any exist (each segment knows whether it
-    is expandable), else from ``config``. Each probe is guarded so older torch releases return what they
-    can. ``{}`` off CUDA.
+
+def largest(fits, hi: int, first: int | None = None) -> int:
+    """The largest ``n < hi`` with ``fits(n)``, by bisection: about ``log2(hi)`` calls.
+
+    Assumes that what fits at ``n`` fits below ``n`` and that ``hi`` does not fit; 0 when nothing
+    does. ``first`` (the plan) is tried first, so the search goes on above or below it.
     """
-    device = torch.device(device)
-    if device.type != "cuda":
-        return {}
-    out: dict = {}
-    if hasattr(torch.cuda.memory, "get_allocator_backend"):
-        out["backend"] = torch.cuda.memory.get_allocator_backend()
-    if hasattr(torch._C, "_accelerator_getAllocatorSettings"):
-        out["config"] = torch._C._accelerator_getAllocatorSettings()
-    if hasattr(torch.cuda, "get_per_process_memory_fraction"):
-        out["memory_fraction"] = torch.cuda.get_per_process_memory_fraction(device)
-    index = torch.cuda.current_device() if device.index is None else device.index
-    segments = [s for s in torch.cuda.memory._snapshot()["segments"] if s.get("device", index) == index]
-    if segments and "is_expandable" in segments[0]:
-        out["expandable_segments"] = any(s["is_expandable"] for s in segments)
-    elif "config" in out:
-        out["expandable_segments"] = "expandable_segments:true" in out["config"].lower().replace(" ", "")
-    return out
+    lo, n = 0, first
+    while hi - lo > 1:
+        if n is None or not lo < n < hi:
+            n = (lo + hi) // 2
+        lo, hi, n = (n, hi, None) if fits(n) else (lo, n, None)
+    return lo
 
 
 @dataclass(frozen=True)
@@ -127,23 +124,40 @@ class Cap:
 def cap_memory(gib: float, device: torch.device | str) -> Cap:
     """Emulate a ``gib``-GiB card on a bigger one by capping the caching allocator.
 
-    ``set_per_process_memory_fraction`` makes the allocator raise OOM once ``reserved`` would pass the
-    cap. The CUDA context and memory allocated outside PyTorch are not counted, so the emulation is a
-    little more generous than a real card of that size, whose context eats into the same memory. On a
-    card no bigger than the cap the cap is lifted (fraction 1.0) and the note says the card itself is
-    the limit.
+    ``set_per_process_memory_fraction`` makes the allocator raise OOM once ``reserved`` would pass
+    the cap. The CUDA context and memory allocated outside PyTorch are not counted, so the emulation
+    is a little more generous than a real card of that size, whose context eats into the same memory
+    (:func:`allocator_budget` sees it). On a card no bigger than the cap the cap is lifted (fraction
+    1.0) and the note says the card itself is the limit.
     """
-    device = torch.device(device)
+    device = resolve(device)
     if device.type != "cuda":
-        return Cap(gib, None, None, False, f"no {gib:g} GiB cap on {device.type}: no GPU allocator")
+        return Cap(gib, None, None, False,
+                   f"no {gib:g} GiB cap on {device.type}: no GPU allocator")
     total = torch.cuda.mem_get_info(device)[1]
     fraction = gib * GIB / total
     active = fraction < 1
     torch.cuda.set_per_process_memory_fraction(min(fraction, 1.0), device)  # 1.0 lifts an old cap
-    note = (f"emulating a {gib:g} GiB card on a {total / GIB:.1f} GiB one: the caching allocator is "
-            f"capped at {gib:g} GiB; the CUDA context and memory allocated outside PyTorch are not" if active
+    note = (f"emulating a {gib:g} GiB card on a {total / GIB:.1f} GiB one: the caching allocator "
+            f"is capped at {gib:g} GiB; the CUDA context and memory allocated outside PyTorch are "
+            "not" if active
             else f"cap not applied: the card's {total / GIB:.1f} GiB <= {gib:g} GiB is the limit")
     return Cap(gib, total, fraction if active else None, active, note)
+
+
+def allocator_budget(device: torch.device | str, cap: Cap | None = None) -> int | None:
+    """Bytes the caching allocator can hold in all, now: what it holds plus what the card has
+    free, never more than an active cap. ``None`` off CUDA.
+
+    The budget to plan against once the model is loaded. ``Cap.budget_bytes`` is the cap or the
+    whole card, but the CUDA context, cuBLAS workspaces and other processes take some of the card,
+    and only the driver's ``free`` sees them.
+    """
+    device = resolve(device)
+    if device.type != "cuda":
+        return None
+    usable = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+    return min(usable, cap.budget_bytes) if cap is not None and cap.active else usable
 
 
 @contextmanager
@@ -151,17 +165,17 @@ def memory_snapshot(path: str | os.PathLike, max_entries: int = 100_000, *,
                     device: torch.device | str | None = None) -> Iterator[bool]:
     """Record every allocator event in the block and dump them to ``path``.
 
-    ``device`` defaults to CUDA when available. Yields True while recording on CUDA. Off CUDA it records
-    nothing, writes no file and yields False, so a notebook keeps one code path::
+    ``device`` defaults to CUDA when available. Yields True while recording on CUDA. Off CUDA it
+    records nothing, writes no file and yields False, so a notebook keeps one code path::
 
         with memory_snapshot("cat.pickle", device=device) as recording:
             run()
         print("drag cat.pickle into https://pytorch.org/memory_viz" if recording else "no CUDA")
 
-    The file is dumped even when the block raises (an OOM is the best moment for a snapshot) and opens
-    in https://pytorch.org/memory_viz.
+    The file is dumped even when the block raises (an OOM is the best moment for a snapshot) and
+    opens in https://pytorch.org/memory_viz.
     """
-    if torch.device(device or default_device()).type != "cuda":
+    if resolve(device or default_device()).type != "cuda":
         yield False
         return
     try:

@@ -1,24 +1,26 @@
 """One way to time things, on every device.
 
-CUDA work is asynchronous: ``perf_counter`` around a call measures how long the host took to *enqueue*
-kernels, not to run them. So on CUDA both helpers put a pair of ``torch.cuda.Event``s around each call
-and read the GPU's own clock after a single synchronize; warm-up calls (allocator growth, kernel
-selection, lazy init) run first and are not counted. Results are medians with a p10..p90 spread, never a
-single run or a mean that one hiccup can drag.
+CUDA work is asynchronous: ``perf_counter`` around a call measures how long the host took to
+*enqueue* kernels, not to run them. So on CUDA both helpers put a pair of ``torch.cuda.Event``s
+around each call and read the GPU's own clock after a single synchronize; warm-up calls (allocator
+growth, kernel selection, lazy init) run first and are not counted. Results are medians with a
+p10..p90 spread, never a single run or a mean that one hiccup can drag.
 """
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
+
+from .env import resolve
 
 __all__ = ["StepTimer", "Timing", "time_fn"]
 
 
 def _device(device: torch.device | str) -> torch.device:
-    device = torch.device(device)
+    device = resolve(device)
     if device.type not in ("cpu", "cuda"):
         # perf_counter on an asynchronous device would time the enqueue, not the work
         raise ValueError(f"can only time cpu or cuda, not {device.type!r}")
@@ -74,8 +76,8 @@ def time_fn(fn: Callable[[], object], *, device: torch.device | str, warmup: int
 class StepTimer:
     """``start()``/``stop()`` around each step of a loop; read ``times_s`` after.
 
-    On CUDA nothing synchronizes until ``times_s`` is read, so timing a decode loop does not change its
-    speed by stalling the host every token.
+    On CUDA nothing synchronizes until ``times_s`` is read, so timing a decode loop does not change
+    its speed by stalling the host every token.
     """
 
     def __init__(self, device: torch.device | str) -> None:

@@ -1,18 +1,23 @@
-"""`python -m kvlib.bench --quick`: the command runs and its last line is the promised JSON."""
+"""`python -m kvlib.bench --quick`: the command runs and its last line is the promised JSON.
+
+The device is pinned to the CPU: on a GPU machine the default would be Qwen3-4B, which the GPU
+check (tests/gpu_check.py) runs instead."""
 
 import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from kvlib.bench import CACHES
+from helpers import tiny_model
+from kvlib.bench import CACHES, ms_per_token
 from kvlib.config import kv_bytes_per_token, load_config
 
 
 def test_quick_bench_prints_one_json_line_and_writes_figures(tmp_path):
     run = subprocess.run(
-        [sys.executable, "-m", "kvlib.bench", "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", "kvlib.bench", "--quick", "--device", "cpu", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600, check=True,
     )
     res = json.loads(run.stdout.strip().splitlines()[-1])
@@ -27,8 +32,25 @@ def test_quick_bench_prints_one_json_line_and_writes_figures(tmp_path):
     # allocates the whole grown cache, K and V of every layer: context + 1 slots.
     per_token = kv_bytes_per_token(load_config("smollm2-135m"), torch.float32)
     assert res["caches"]["prealloc"]["cache_bytes_per_step"] == [0] * n
-    assert res["caches"]["cat"]["cache_bytes_per_step"] == [per_token * (c + 1) for c in res["contexts"]]
+    cat = [per_token * (c + 1) for c in res["contexts"]]
+    assert res["caches"]["cat"]["cache_bytes_per_step"] == cat
     for name in ("bench_time", "bench_bytes", "bench_floor"):
         assert (tmp_path / f"{name}.png").is_file()
         assert json.loads((tmp_path / f"{name}.json").read_text())["label"] == res["label"]
     assert "ms per decode step" in (tmp_path / "bench.md").read_text()
+
+
+@pytest.mark.parametrize("kind", ["hf_dynamic", "hf_static"])
+def test_transformers_rows_run_uncompiled(kind, monkeypatch):
+    """On CUDA, generate compiles itself for a StaticCache; the bench's rows must not."""
+    model = tiny_model("qwen3")
+    asked = []
+    auto = type(model)._valid_auto_compile_criteria
+
+    def spy(self, model_kwargs, generation_config):
+        asked.append(generation_config.disable_compile)
+        return auto(self, model_kwargs, generation_config)
+
+    monkeypatch.setattr(type(model), "_valid_auto_compile_criteria", spy)
+    assert ms_per_token(model, torch.tensor([[1, 2, 3, 4]]), kind, steps=2, chunk=4) > 0
+    assert asked and all(asked)

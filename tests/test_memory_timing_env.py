@@ -7,9 +7,15 @@ import pytest
 import torch
 import transformers
 
-from kvlib.env import auto_dtype, default_device, describe, label
+from kvlib.env import allocator_settings, auto_dtype, default_device, describe, label, resolve
 from kvlib.memory import (
-    GIB, MemoryTrace, allocator_settings, cap_memory, memory_snapshot, memory_stats,
+    GIB,
+    MemoryTrace,
+    allocator_budget,
+    cap_memory,
+    free,
+    memory_snapshot,
+    memory_stats,
 )
 from kvlib.timing import StepTimer, Timing, time_fn
 
@@ -45,7 +51,8 @@ def test_trace_rows_and_columns_on_cpu():
 
 
 def test_cpu_allocator_settings_and_snapshot_are_no_ops(tmp_path):
-    assert allocator_settings("cpu") == {}
+    assert allocator_settings("cpu") == {} and allocator_budget("cpu") is None
+    free("cpu")  # collects garbage; no allocator to empty
     path = tmp_path / "snap.pickle"
     with memory_snapshot(path, device="cpu") as recording:
         torch.zeros(10)
@@ -63,17 +70,20 @@ def test_cuda_stats_are_consistent():
 
 
 @needs_cuda
-def test_cuda_cap_budget_and_label():
-    cap = cap_memory(1, "cuda")
+@pytest.mark.parametrize("device", ["default", "cuda"])
+def test_cuda_cap_budget_and_label(device):
+    device = default_device() if device == "default" else device
+    cap = cap_memory(1, device)
     try:
         assert cap.active and cap.budget_bytes == GIB
+        assert allocator_budget(device, cap) <= GIB
         assert "emulating" in cap.note and "CUDA context" in cap.note
-        assert "allocator capped at 1 GiB" in label("cuda", torch.float16, cap)
+        assert "allocator capped at 1 GiB" in label(device, torch.float16, cap)
         with pytest.raises(torch.OutOfMemoryError):
-            torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
+            torch.empty(2 * GIB, dtype=torch.uint8, device=device)
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
-    assert "backend" in allocator_settings("cuda")
+        torch.cuda.set_per_process_memory_fraction(1.0, resolve(device))
+    assert "backend" in allocator_settings(device)
 
 
 @needs_cuda
@@ -132,9 +142,11 @@ def test_cuda_events_time_the_gpu_not_the_enqueue():
 
 # --- env -------------------------------------------------------------------
 def test_dtype_and_device_on_cpu():
-    assert auto_dtype("cpu") == torch.float32
+    assert auto_dtype("cpu") == torch.float32 and resolve("cpu") == torch.device("cpu")
     if not torch.cuda.is_available():
         assert default_device() == torch.device("cpu")
+    else:  # the current card, named by its index: torch.cuda refuses a bare "cuda" in places
+        assert default_device() == torch.device("cuda", torch.cuda.current_device())
 
 
 def test_label_says_versions_dtype_and_cores():
