@@ -1,24 +1,29 @@
 """The memory budget, computed before anything runs.
 
 A decoding model's memory is three things: the weights (fixed), the KV cache (grows by
-:func:`kv_bytes_per_token` with every token), and a transient workspace for one forward pass. All three
-follow from the Hugging Face config by arithmetic, so the longest context that fits a budget is known
-before a single byte is allocated:
+:func:`kv_bytes_per_token` with every token), and a transient workspace for one forward pass. All
+three follow from the Hugging Face config by arithmetic, so the longest context that fits a budget
+is known before a single byte is allocated: the largest with
 
-    max_context = (budget - weights - workspace) // kv_bytes_per_token
+    weights + kv_bytes_per_token * context + workspace(context) <= budget
 
-The arithmetic is checked against the real architecture built on the ``meta`` device
-(:func:`meta_param_count`): full scale, no memory.
+The workspace grows with the context too: a prefill chunk attends to every cached token, through a
+mask (or, on the math path, scores) with a column per token. The arithmetic is checked against the
+real architecture on the ``meta`` device: its parameters (:func:`meta_param_count`), and its live
+bytes on a simulated card (:mod:`kvlib.simulate`).
 """
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import InitVar, dataclass, field
+from functools import partial
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from .config import GIB, MIB, head_dim, kv_bytes_per_token, kv_heads
+from .config import GIB, MIB, head_dim, kv_bytes_per_token, kv_heads, load_config
 
-__all__ = ["Budget", "meta_param_count", "param_count", "plan_budget", "weight_bytes", "workspace_bytes"]
+__all__ = ["ATTENTION", "Budget", "meta_model", "meta_param_count", "param_count", "plan_budget",
+           "run_workspace", "weight_bytes", "workspace_bytes", "workspace_phases"]
 
 FAMILIES = ("llama", "qwen2", "qwen3")  # the families param_count can count
 
@@ -33,7 +38,8 @@ def param_count(config: PretrainedConfig) -> int:
     kind = config.model_type
     if kind not in FAMILIES:
         raise ValueError(f"param_count knows {FAMILIES}, not model_type={kind!r}")
-    h, inter, vocab, hd = config.hidden_size, config.intermediate_size, config.vocab_size, head_dim(config)
+    h, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    hd = head_dim(config)
     q, kv = config.num_attention_heads * hd, kv_heads(config) * hd
     attn = 2 * h * q + 2 * h * kv  # q, o: h<->q;  k, v: h->kv
     if kind == "qwen2":
@@ -52,43 +58,102 @@ def weight_bytes(config: PretrainedConfig, dtype: torch.dtype) -> int:
     return param_count(config) * dtype.itemsize
 
 
-def meta_param_count(config: PretrainedConfig) -> int:
-    """Parameters of the real ``transformers`` model, built on ``meta``: shapes, no memory.
-
-    ``parameters()`` yields a tied weight once, as :func:`param_count` counts it.
-    """
+def meta_model(config: PretrainedConfig | str, dtype: torch.dtype = torch.bfloat16):
+    """The real ``transformers`` model of a config (or a shipped one's name) built on ``meta``: the
+    full architecture, shapes without memory."""
+    config = load_config(config) if isinstance(config, str) else config
+    config._attn_implementation = "sdpa"
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
-def workspace_bytes(config: PretrainedConfig, dtype: torch.dtype, tokens: int = 1, batch: int = 1, *,
-                    context: int | None = None) -> int:
-    """Estimated transient memory of one forward over ``tokens`` new tokens.
+def meta_param_count(config: PretrainedConfig) -> int:
+    """Parameters of the real model, built on ``meta``: ``parameters()`` yields a tied weight once,
+    as :func:`param_count` counts it."""
+    return sum(p.numel() for p in meta_model(config).parameters())
 
-    The terms are not live at the same time (a layer's MLP activations are freed before the next layer's
-    attention, the logits come after the last layer), so the workspace is the largest of them::
 
-        logits = batch * vocab * (elt + 4 if elt < 4 else elt)  # last position, + fp32 copy
-        mlp    = 3 * batch * tokens * intermediate * elt        # gate, up, act(gate) * up
-        scores = batch * heads * tokens * context * elt         # math-path SDPA only
+ATTENTION = ("fused", "math")  # the kernels a plan prices: fused (flash, memory-efficient) or math
 
-    kvlib keeps logits for the last position only, so ``tokens`` does not multiply them, and assumes
-    they are upcast to float32 for sampling. The fused SDPA kernels (flash, memory-efficient) never
-    materialise the scores: pass ``context`` (the keys attended to) only to price the math path, whose
-    softmax may briefly double that term. An estimate, to compare with a measurement; the
-    small residual stream is left out.
+
+def workspace_phases(config: PretrainedConfig, dtype: torch.dtype, tokens: int = 1, *,
+                     attention: str = "fused",
+                     cache: str = "prealloc") -> dict[str, tuple[int, int]]:
+    """Transient bytes of each phase of kvlib's forward that can peak: ``(fixed, per token of
+    context)``.
+
+    A prefill chunk of n = ``tokens`` new tokens after S cached ones holds, for its whole
+    forward, the visibility ``[n, S]`` (bool) and the additive mask ``[group * n, S]`` that the
+    decoder builds once for all layers, and small activations (x and normed x ``[n, d]``, q roped
+    and folded, k, v, the previous step's logits). On top of that, one at a time:
+
+    - ``mask``: building it, zeros and their masked copy ``[n, S]`` live before the repeat;
+    - ``attention``, fused: the output and log-sum-exp, and the memory-efficient kernel's padded
+      copy of a mask whose rows are not 8-aligned (torch's ``preprocess_mask``); math: q, K and V
+      upcast to fp32, the scores and their softmax ``[Hq, n, S]`` in fp32 and their -inf test;
+    - ``decode``, math only: one token with grouped heads, K and V upcast, copied per query head and
+      K transposed;
+    - ``cat``: a layer's old K (or V) while ``torch.cat`` builds the longer one;
+    - ``mlp``: gate, up and their product ``[n, intermediate]``; ``logits``: ``[V]``, and an fp32
+      copy to sample from.
     """
-    elt = dtype.itemsize
-    logits = batch * config.vocab_size * (elt + 4 if elt < 4 else elt)
-    mlp = 3 * batch * tokens * config.intermediate_size * elt
-    scores = batch * config.num_attention_heads * tokens * (context or 0) * elt
-    return max(logits, mlp, scores)
+    if attention not in ATTENTION or cache not in ("prealloc", "cat"):
+        raise ValueError(f"attention must be one of {ATTENTION} and cache prealloc or cat, "
+                         f"got {attention!r}, {cache!r}")
+    e, n, d, V = dtype.itemsize, tokens, config.hidden_size, config.vocab_size
+    Hq, Hkv, D = config.num_attention_heads, kv_heads(config), head_dim(config)
+    g = Hq // Hkv
+    held = n * (1 + g * e)  # per token of context: the visibility and the mask
+    act = n * e * (2 * d + 2 * Hq * D + 2 * Hkv * D) + V * e
+    phases = {"mask": (V * e, n * (1 + (2 + g) * e)),
+              "mlp": (act + 3 * n * config.intermediate_size * e, held),
+              "logits": (act + V * (e + 4 if e < 4 else e), held)}
+    if attention == "fused":  # + output, log-sum-exp, the mask padded by up to 8 columns
+        phases["attention"] = (act + n * Hq * (D * e + 4) + g * n * 8 * e, held + g * n * e)
+    else:  # + q (twice), K, V in fp32; scores and softmax in fp32, the -inf test in bool
+        phases["attention"] = (act + 2 * n * Hq * D * 4, held + 2 * Hkv * D * 4 + Hq * n * 9)
+        phases["decode"] = (V * e, (2 * Hkv + 3 * Hq) * D * 4)
+    if cache == "cat":
+        phases["cat"] = (act, held + Hkv * D * e)
+    return phases
+
+
+def workspace_bytes(config: PretrainedConfig, dtype: torch.dtype, tokens: int = 1,
+                    batch: int = 1, *, context: int = 0, attention: str = "fused",
+                    cache: str = "prealloc") -> int:
+    """Transient bytes of one forward of ``tokens`` new tokens after ``context`` cached ones: the
+    largest of :func:`workspace_phases`, which are not live at the same time."""
+    phases = workspace_phases(config, dtype, tokens, attention=attention, cache=cache)
+    return batch * max(fixed + per_token * context for fixed, per_token in phases.values())
+
+
+def run_workspace(config: PretrainedConfig, dtype: torch.dtype, context: int,
+                  prefill_chunk: int = 512, batch: int = 1, *, attention: str = "fused",
+                  cache: str = "prealloc") -> int:
+    """What a run to ``context`` tokens holds at its peak beyond the weights and ``context`` tokens
+    of KV.
+
+    The worst of its moments, whatever the prompt's length: a full prefill chunk (the last one ends
+    at ``context // prefill_chunk * prefill_chunk``), a last partial chunk ending at ``context``, a
+    decode step. A preallocated cache holds all ``context`` slots throughout; a ``cat`` cache only
+    the tokens so far, so its prefill moments are priced with less KV.
+    """
+    kv = kv_bytes_per_token(config, dtype, batch)
+    full, worst = context // prefill_chunk * prefill_chunk, 0
+    for end, tokens in ((full, prefill_chunk), (context, context - full), (context, 1)):
+        if end and tokens:
+            cached = kv * (end if cache == "cat" else context)
+            worst = max(worst, cached + workspace_bytes(config, dtype, tokens, batch, context=end,
+                                                        attention=attention, cache=cache))
+    return worst - kv * context
 
 
 @dataclass(frozen=True)
 class Budget:
-    """Bytes of a memory budget: fixed weights, a fixed workspace, KV per token.
+    """Bytes of a memory budget: fixed weights, KV per token, and ``workspace_at(context)``, what a
+    run to that context holds at its peak beyond them (it grows with the context: the mask's
+    columns, the scores' columns, a ``cat``'s copy). ``max_context`` and the ``workspace`` there
+    are computed once, and are what ``asdict`` stores.
 
     ``budget`` is what the caching allocator may hold (the CUDA context lies outside it and is not
     counted).
@@ -96,36 +161,46 @@ class Budget:
 
     weights: int
     kv_per_token: int
-    workspace: int
     budget: int
+    workspace_at: InitVar[Callable[[int], int] | None] = None
+    max_context: int = field(init=False)
+    workspace: int = field(init=False)
 
-    @property
-    def max_context(self) -> int:
-        """The most tokens of KV that fit next to the weights and workspace."""
-        return max(0, (self.budget - self.weights - self.workspace) // self.kv_per_token)
+    def __post_init__(self, workspace_at) -> None:
+        object.__setattr__(self, "_workspace_at", workspace_at or (lambda context: 0))
+        lo, hi = 0, max(1, (self.budget - self.weights) // self.kv_per_token + 1)
+        while hi - lo > 1:  # both the KV and the workspace grow with the context
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.breakdown(mid)["free"] >= 0 else (lo, mid)
+        object.__setattr__(self, "max_context", lo)
+        object.__setattr__(self, "workspace", self._workspace_at(lo))
 
     def breakdown(self, context: int) -> dict[str, int]:
         """Bytes of each part at ``context`` tokens; ``free`` is negative past ``max_context``."""
-        kv = self.kv_per_token * context
-        free = self.budget - self.weights - kv - self.workspace
-        return dict(weights=self.weights, kv=kv, workspace=self.workspace, free=free)
+        kv, workspace = self.kv_per_token * context, self._workspace_at(context)
+        free = self.budget - self.weights - kv - workspace
+        return {"weights": self.weights, "kv": kv, "workspace": workspace, "free": free}
 
     def __repr__(self) -> str:
-        return (f"Budget({self.budget / GIB:.2f} GiB: weights {self.weights / GIB:.2f} GiB, workspace "
-                f"{self.workspace / MIB:.1f} MiB, {self.kv_per_token / 1024:.0f} KiB/token -> "
-                f"max_context={self.max_context:,})")
+        return (f"Budget({self.budget / GIB:.2f} GiB: weights {self.weights / GIB:.2f} GiB, "
+                f"workspace {self.workspace / MIB:.1f} MiB, {self.kv_per_token / 1024:.0f} "
+                f"KiB/token -> max_context={self.max_context:,})")
 
 
 def plan_budget(config: PretrainedConfig, dtype: torch.dtype, budget_bytes: int, batch: int = 1,
-                prefill_chunk: int = 512) -> Budget:
-    """The :class:`Budget` of ``config`` in ``dtype`` under ``budget_bytes``.
+                prefill_chunk: int = 512, *, attention: str = "fused",
+                cache: str = "prealloc") -> Budget:
+    """The :class:`Budget` of ``config`` in ``dtype`` under ``budget_bytes``, for kvlib's token loop
+    with ``prefill_chunk``-token chunks and a ``"prealloc"`` or ``"cat"`` cache.
 
-    The workspace is priced for a prefill chunk of ``prefill_chunk`` tokens (a decode step needs less)
-    with a fused attention kernel; see :func:`workspace_bytes` for the math path.
+    ``attention``: ``"fused"`` for a card whose kernels take kvlib's shapes (sm >= 8.0), ``"math"``
+    where they fall back to the math path (see :func:`kvlib.cards.sdpa_kernel`).
     """
     if budget_bytes <= 0 or batch < 1 or prefill_chunk < 1:
         raise ValueError(f"bad budget: budget_bytes={budget_bytes} batch={batch} "
                          f"prefill_chunk={prefill_chunk}")
-    return Budget(weights=weight_bytes(config, dtype), kv_per_token=kv_bytes_per_token(config, dtype, batch),
-                  workspace=workspace_bytes(config, dtype, tokens=prefill_chunk, batch=batch),
-                  budget=int(budget_bytes))
+    workspace_phases(config, dtype, attention=attention, cache=cache)  # refuse bad names now
+    workspace = partial(run_workspace, config, dtype, prefill_chunk=prefill_chunk, batch=batch,
+                        attention=attention, cache=cache)
+    return Budget(weight_bytes(config, dtype), kv_bytes_per_token(config, dtype, batch),
+                  int(budget_bytes), workspace)

@@ -13,8 +13,10 @@ from kvlib.budget import (
     meta_param_count,
     param_count,
     plan_budget,
+    run_workspace,
     weight_bytes,
     workspace_bytes,
+    workspace_phases,
 )
 from kvlib.config import kv_bytes_per_token, load_config, shipped_configs
 
@@ -109,36 +111,67 @@ def test_param_count_refuses_unknown_family():
         param_count(AutoConfig.for_model("gpt2"))
 
 
-def test_workspace_terms():
+def test_workspace_phases_price_what_each_phase_holds():
+    c, n = load_config("qwen3-4b"), 512
+    fused = workspace_phases(c, torch.bfloat16, n)
+    held = n * (1 + 4 * 2)  # per token of context: visibility [n, S] bool, mask [4n, S] bf16
+    assert fused["attention"][1] == held + 4 * n * 2  # + the memory-efficient kernel's copy
+    assert fused["mask"][1] == n * (1 + (2 + 4) * 2)  # building it: zeros, their masked copy
+    # gate, up, their product against the logits and their fp32 copy
+    assert fused["mlp"][0] - fused["logits"][0] == 3 * n * 9728 * 2 - 151936 * 6
+    math = workspace_phases(c, torch.bfloat16, n, attention="math")
+    # + K and V upcast to fp32, scores and softmax in fp32 and their -inf test: [Hq, n, S]
+    assert math["attention"][1] == held + 2 * 8 * 128 * 4 + 32 * n * (4 + 4 + 1)
+    assert math["decode"][1] == (2 * 8 + 3 * 32) * 128 * 4  # K, V upcast, copied per query head
+    cat = workspace_phases(c, torch.bfloat16, n, cache="cat")
+    assert cat["cat"][1] == held + 8 * 128 * 2  # a layer's old K while cat builds the new one
+    assert "cat" not in fused and "decode" not in fused
+    f32 = workspace_phases(c, torch.float32, 1)
+    assert f32["logits"][0] - f32["mlp"][0] == 151936 * 4 - 3 * 9728 * 4  # fp32 logits: no copy
+
+
+def test_workspace_bytes_is_the_largest_phase_at_the_context():
     c = load_config("qwen3-4b")
-    # decode: the logits of one position (bf16 + fp32 copy) outweigh one token's MLP
-    assert workspace_bytes(c, torch.bfloat16) == 151936 * (2 + 4)
-    # a 512-token prefill chunk: gate, up, act(gate)*up
-    assert workspace_bytes(c, torch.bfloat16, tokens=512) == 3 * 512 * 9728 * 2
-    # the math path materialises scores: heads * tokens * context
-    assert workspace_bytes(c, torch.bfloat16, tokens=512, context=8192) == 32 * 512 * 8192 * 2
-    assert workspace_bytes(c, torch.float32) == 151936 * 4  # already fp32: no copy
+    phases = workspace_phases(c, torch.bfloat16, 512)
+    assert workspace_bytes(c, torch.bfloat16, 512, context=30_000) == max(
+        fixed + per_token * 30_000 for fixed, per_token in phases.values())
+    assert workspace_bytes(c, torch.bfloat16, 512, 2, context=100) == 2 * workspace_bytes(
+        c, torch.bfloat16, 512, context=100)
+
+
+def test_a_cat_cache_holds_less_kv_during_prefill():
+    c, kv = load_config("qwen3-4b"), 147456
+    pre = run_workspace(c, torch.bfloat16, 30_000)
+    cat = run_workspace(c, torch.bfloat16, 30_000, cache="cat")
+    # at the mask's peak, the last full chunk (29,696 tokens), cat holds 304 fewer tokens of KV
+    assert pre - cat == 304 * kv
 
 
 def test_qwen3_4b_on_12_gib_holds_roughly_30k_tokens():
     b = plan_budget(load_config("qwen3-4b"), torch.bfloat16, 12 * GIB)
     print(b)
-    assert b.max_context == (12 * GIB - b.weights - b.workspace) // 147456
     assert 20_000 < b.max_context < 40_000
     assert "max_context=" in repr(b) and "144 KiB/token" in repr(b)
+    # the old plan priced a fixed MLP workspace, not the mask that grows with the context
+    assert b.max_context < (12 * GIB - b.weights - 3 * 512 * 9728 * 2) // b.kv_per_token
+    math = plan_budget(load_config("qwen3-4b"), torch.bfloat16, 12 * GIB, attention="math")
+    assert math.max_context < b.max_context // 1.5
 
 
 def test_max_context_is_exact_at_the_edges():
     b = plan_budget(load_config("qwen3-4b"), torch.bfloat16, 12 * GIB)
-    one_less = dataclasses.replace(b, budget=b.budget - b.kv_per_token)
-    assert one_less.max_context == b.max_context - 1
     parts = b.breakdown(b.max_context)
-    assert sum(parts.values()) == b.budget
-    assert 0 <= parts["free"] < b.kv_per_token
-    assert b.breakdown(b.max_context + 1)["free"] < 0
-    assert Budget(weights=10, kv_per_token=1, workspace=1, budget=5).max_context == 0
+    assert sum(parts.values()) == b.budget and parts["workspace"] == b.workspace
+    assert parts["free"] >= 0 > b.breakdown(b.max_context + 1)["free"]
+    assert dataclasses.asdict(b) == {"weights": b.weights, "kv_per_token": 147456,
+                                     "budget": 12 * GIB, "max_context": b.max_context,
+                                     "workspace": b.workspace}
+    assert Budget(weights=10, kv_per_token=1, budget=5).max_context == 0
+    assert Budget(weights=10, kv_per_token=1, budget=15).max_context == 5
 
 
 def test_plan_budget_rejects_nonsense_with_numbers():
     with pytest.raises(ValueError, match="budget_bytes=0"):
         plan_budget(load_config("smollm2-135m"), torch.float32, 0)
+    with pytest.raises(ValueError, match="'flash'"):
+        plan_budget(load_config("smollm2-135m"), torch.float32, GIB, attention="flash")

@@ -1,0 +1,127 @@
+"""Named cards: memory, compute capability and memory bandwidth, from the vendors' spec sheets; and
+what follows from them: the attention kernel a call runs (:func:`sdpa_kernel`) and what it allocates
+(:func:`fused_sdpa`, :class:`Kernels` for the simulated card), and the bandwidth floor of a decode
+step (:meth:`Card.predicted_ms_per_token`).
+
+Two units, on purpose. Sheets write memory in "GB", but memory chips come in binary sizes (an
+A100 40GB is five 8 GiB HBM2 stacks), so ``memory`` reads the sheet's GB as GiB: the ceiling, of
+which ECC, the driver and the CUDA context take a little. Bandwidth is decimal: "1,555 GB/s" is
+1.555e12 B/s.
+Compute capabilities: https://developer.nvidia.com/cuda-gpus.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from transformers import PretrainedConfig
+
+from .bandwidth import floor_s_per_token, step_bytes
+from .config import GIB
+
+__all__ = ["CARDS", "Card", "Kernels", "card", "fused_sdpa", "sdpa_kernel"]
+
+
+@dataclass(frozen=True)
+class Card:
+    """A GPU as the simulation and the bandwidth floor need it."""
+
+    name: str
+    memory_gb: float  # as the sheet says; ``memory`` is it in bytes, read as GiB
+    sm: float  # compute capability: picks the attention kernels
+    bandwidth: float  # bytes/s, decimal
+    source: str
+
+    @property
+    def memory(self) -> int:
+        return int(self.memory_gb * GIB)
+
+    def predicted_ms_per_token(self, config: PretrainedConfig, dtype: torch.dtype, context: int,
+                               cache: str = "prealloc") -> float:
+        """A prediction, not a measurement: the bandwidth floor of a decode step at ``context``, the
+        bytes it moves (:func:`kvlib.bandwidth.step_bytes`) over the sheet's bandwidth, in ms."""
+        return 1e3 * floor_s_per_token(step_bytes(config, dtype, context, cache), self.bandwidth)
+
+
+_A100 = ("https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+         "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf")
+CARDS = {c.name: c for c in (
+    Card("T4", 16, 7.5, 320e9, "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/"
+         "tesla-t4/t4-tensor-core-datasheet-951643.pdf (16 GB GDDR6, 320+ GB/s)"),
+    Card("RTX 3060", 12, 8.6, 360e9, "https://www.nvidia.com/en-us/geforce/graphics-cards/30-series/"
+         "rtx-3060-3060ti/ (12 GB GDDR6, 192-bit at 15 Gbps: 360 GB/s)"),
+    Card("RTX 4070", 12, 8.9, 504e9, "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/"
+         "rtx-4070-family/ (12 GB GDDR6X, 192-bit at 21 Gbps: 504 GB/s)"),
+    Card("A100 40GB", 40, 8.0, 1555e9, _A100 + " (40GB HBM2, 1,555 GB/s)"),
+    Card("A100 80GB", 80, 8.0, 2039e9, _A100 + " (80GB HBM2e SXM, 2,039 GB/s)"),
+    Card("H100 80GB", 80, 9.0, 3.35e12, "https://www.nvidia.com/en-us/data-center/h100/ "
+         "(H100 SXM: 80GB, 3.35 TB/s)"),
+    Card("H200", 141, 9.0, 4.8e12, "https://www.nvidia.com/en-us/data-center/h200/ "
+         "(141GB HBM3e, 4.8 TB/s)"),
+    # The course's budget, not a product: exactly 12 GiB (the allocator cap of kvlib.memory), on an
+    # RTX 3060-like card, the cheapest 12 GB one (sm and bandwidth as above).
+    Card("12 GiB", 12, 8.6, 360e9, "the course's 12 GiB budget; sm and bandwidth of the RTX 3060"),
+)}
+
+
+def card(name: str | Card) -> Card:
+    """A card of :data:`CARDS` by name (a :class:`Card` passes through)."""
+    if isinstance(name, Card):
+        return name
+    if name not in CARDS:
+        raise ValueError(f"no card {name!r}; known: {', '.join(CARDS)}")
+    return CARDS[name]
+
+
+def sdpa_kernel(sm: float, q: torch.Tensor, k: torch.Tensor, mask, enable_gqa: bool) -> str:
+    """The kernel torch's CUDA dispatcher picks for this call, with its default settings.
+
+    In priority order (torch's ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``): flash
+    needs sm >= 8.0, fp16/bf16 and no mask, and takes grouped KV heads; memory-efficient needs
+    sm >= 5.0 (bf16 from 8.0) and takes a mask but not grouped KV heads; math takes anything.
+    """
+    grouped = enable_gqa and q.shape[-3] != k.shape[-3]
+    if sm >= 8.0 and mask is None and q.dtype in (torch.float16, torch.bfloat16):
+        return "flash"
+    if not grouped and (sm >= 8.0 or (sm >= 5.0 and q.dtype != torch.bfloat16)):
+        return "efficient"
+    return "math"
+
+
+def fused_sdpa(q: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+    """What a fused kernel allocates: the output ``[B, Hq, n, D]``, at most an fp32 log-sum-exp
+    ``[B, Hq, n]``, and, for a mask whose rows are not 8-aligned, the memory-efficient kernel's
+    padded copy of it (``preprocess_mask`` in torch's ``attention.cpp``), alive during the call."""
+    B, H, n, _ = q.shape
+    unaligned = mask is not None and any(s % 8 for s in mask.stride()[:-1])
+    pad = F.pad(mask, (0, 8 - mask.shape[-1] % 8)) if unaligned else None
+    out = q.new_empty(B, n, H, v.shape[-1]).transpose(1, 2)  # stored [B, n, Hq, D], as kernels do
+    lse = q.new_empty(B, H, n, dtype=torch.float32)
+    del pad, lse
+    return out
+
+
+class Kernels(TorchFunctionMode):
+    """Route each SDPA call: the math path if ``attention == "math"``, else :func:`sdpa_kernel` at
+    ``sm``; the mask and the kernel's bytes go to regions of the ``ledger``
+    (:class:`kvlib.simulate.Ledger`). ``counts`` tallies the kernels chosen."""
+
+    def __init__(self, ledger, sm: float, attention: str = "auto") -> None:
+        super().__init__()
+        self.ledger, self.sm, self.attention = ledger, sm, attention
+        self.counts: dict[str, int] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = args[:3]
+        mask = kwargs.get("attn_mask")
+        kind = "math" if self.attention == "math" else sdpa_kernel(
+            self.sm, q, k, mask, kwargs.get("enable_gqa", False))
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        if mask is not None:
+            self.ledger.relabel(mask, "mask")
+        with self.ledger.region("attention"):
+            return func(*args, **kwargs) if kind == "math" else fused_sdpa(q, v, mask)

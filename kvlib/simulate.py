@@ -1,0 +1,282 @@
+"""A simulated card: the token loop on the ``meta`` device, under an exact ledger of live bytes.
+
+On ``meta`` ops compute shapes and allocate nothing, so the real 4B model runs on any laptop.
+:class:`Ledger` registers every new tensor storage once (by its ``StorageImpl`` address, as
+:mod:`kvlib.meter` does) with a finalizer that takes it off when freed: what
+``torch.cuda.memory_allocated`` would report, without the caching allocator's rounding, cached
+blocks and fragmentation, or a kernel's private scratch. The op that would pass the budget raises
+``torch.OutOfMemoryError``, as the card would. No timing.
+
+The trap: on ``meta``, ``scaled_dot_product_attention`` always takes the math path, which
+materialises the scores; a fused kernel does not. So :class:`kvlib.cards.Kernels` routes each call
+as torch's CUDA dispatcher would, and a fused one allocates what the kernel does.
+Shapes: B L S n Hq Hkv D V.
+"""
+
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .budget import meta_model
+from .cards import Card, Kernels
+from .cards import card as get_card
+from .cat_cache import CatCache
+from .config import GIB, MIB, kv_bytes_per_token
+from .decoder import check_supported, forward
+from .kv_cache import KVCache
+from .meter import MeteredCache
+
+__all__ = ["Ledger", "Run", "fits_context", "longest_context", "simulate"]
+
+TAIL_STEPS = 2  # decode steps a tail run keeps: the last ones, which hold the most
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / MIB:,.1f} MiB" if nbytes >= MIB else f"{nbytes:,} B"
+
+
+def _meta(model):
+    """A model on ``meta`` as given, or built from a config or a shipped config's name."""
+    return model if isinstance(model, torch.nn.Module) else meta_model(model)
+
+
+def _weights(model) -> int:
+    """Bytes of the parameters and buffers, each storage once (a tied embedding is one tensor)."""
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()]}.values())
+
+
+@cache
+def _composite(func) -> bool:
+    """Whether a card runs ``func`` as other ops (a CompositeExplicitAutograd kernel and no device
+    one), whose temporaries are live together: the math path's ``_safe_softmax`` holds scores-sized
+    ones."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return has(func.name(), "CompositeExplicitAutograd") and not has(func.name(), "CPU")
+
+
+class Ledger(TorchDispatchMode):
+    """Live tensor bytes, op by op, under an optional ``budget``.
+
+    ``start`` is the balance alive before entering (the weights), in region ``"weights"``;
+    ``by_region`` holds the live bytes of each region, ``at_peak`` a copy taken at the peak.
+    ``mark(tokens)`` closes a step of ``timeline`` (cache length, live, peak of the step);
+    ``trace=True`` also records ``(op, live)`` after every op that allocates.
+    """
+
+    def __init__(self, budget: int | None = None, start: int = 0, trace: bool = False) -> None:
+        super().__init__()
+        self.budget, self.live, self.peak, self.step_peak = budget, start, start, start
+        self.by_region = {"weights": start}
+        self.at_peak = dict(self.by_region)
+        self.tokens, self.timeline = 0, {"tokens": [], "live": [], "peak": []}
+        self.ops: list[tuple[str, int]] | None = [] if trace else None
+        self._regions, self._counting = ["other"], True
+        self._live: dict[int, list] = {}  # storage address -> [bytes, region]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _composite(func):  # its parts run under the ledger
+            with self:
+                out = func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        seen = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)}
+        new = {s._cdata: s for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+               if (s := t.untyped_storage())._cdata not in seen and s._cdata not in self._live}
+        request = sum(s.nbytes() for s in new.values())
+        over = self.budget is not None and self.live + request > self.budget
+        if request and self._counting and over:
+            raise torch.OutOfMemoryError(
+                f"simulated OOM at {func}: {_size(self.live)} live + {_size(request)} requested > "
+                f"{_size(self.budget)} budget ({self.tokens:,} tokens so far)")
+        for key, s in new.items():
+            self._live[key] = [s.nbytes(), self._regions[-1]]
+            self._move(key, +1)
+            weakref.finalize(s, self._free, key)
+        if new and self.ops is not None:
+            self.ops.append((str(func), self.live))
+        return out
+
+    def _move(self, key: int, sign: int) -> None:
+        nbytes, region = self._live[key]
+        self.by_region[region] = self.by_region.get(region, 0) + sign * nbytes
+        self.live += sign * nbytes
+        if sign > 0 and self._counting:
+            self.step_peak = max(self.step_peak, self.live)
+            if self.live > self.peak:
+                self.peak, self.at_peak = self.live, dict(self.by_region)
+
+    def _free(self, key: int) -> None:
+        self._move(key, -1)
+        del self._live[key]
+
+    def relabel(self, t: torch.Tensor, region: str) -> None:
+        """Move a live tensor's bytes to ``region`` (a mask is only known as one at SDPA)."""
+        if (key := t.untyped_storage()._cdata) in self._live:
+            self._move(key, -1)
+            self._live[key][1] = region
+            self._move(key, +1)
+
+    def push(self, region: str) -> None:  # for module hooks, which cannot hold a ``with``
+        self._regions.append(region)
+
+    def pop(self) -> None:
+        self._regions.pop()
+
+    @contextmanager
+    def region(self, name: str | None = None, counted: bool = True):
+        """Attribute the storages made inside the block to ``name``; ``counted=False`` keeps them
+        out of the budget check and the peaks (the state a tail run starts from)."""
+        self.push(name or self._regions[-1])
+        counting, self._counting = self._counting, self._counting and counted
+        try:
+            yield
+        finally:
+            self.pop()
+            self._counting = counting
+
+    def mark(self, tokens: int) -> None:
+        """Close a step: the cache now holds ``tokens``."""
+        for key, value in (("tokens", tokens), ("live", self.live), ("peak", self.step_peak)):
+            self.timeline[key].append(value)
+        self.tokens, self.step_peak = tokens, self.live
+
+
+@dataclass
+class Run:
+    """One simulated run: ``timeline`` per step (plot ``tokens`` against ``live`` or ``peak``), the
+    peak and its bytes by region, the SDPA kernels chosen, and the OOM if there was one."""
+
+    context: int
+    prompt: int
+    cache: str
+    budget: int
+    peak: int
+    at_peak: dict[str, int]
+    timeline: dict[str, list[int]]
+    kernels: dict[str, int]
+    oom: torch.OutOfMemoryError | None = None
+    ops: list[tuple[str, int]] | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.oom is None
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.at_peak.items() if v >= MIB)
+        return (f"Run({self.cache}, {self.context:,} tokens ({self.prompt:,} prefilled): peak "
+                f"{self.peak / GIB:.3f} GiB of {self.budget / GIB:.2f} ({parts}), kernels "
+                f"{self.kernels}{'' if self.fits else ', OOM'})")
+
+
+@torch.no_grad()
+def simulate(model, context: int, *, cache: str = "prealloc", card: Card | str = "12 GiB",
+             budget: int | None = None, attention: str = "auto", prefill_chunk: int = 512,
+             decode: int = 4, tail: bool = False, trace: bool = False) -> Run:
+    """Prefill ``context - decode`` tokens in chunks, then ``decode`` steps, on a simulated card.
+
+    ``model``: a shipped config name, a config, or a model on ``meta``. ``card`` gives the budget
+    (its memory, unless ``budget`` bytes are given) and the compute capability that picks the
+    attention kernels; ``attention="math"`` forces the math path, ``"fused"`` a card with fused
+    ones.
+    ``tail`` runs only the last two prefill chunks and the last decode steps, from the state before
+    them (allocated outside the budget and the peak): the same peak, since the earlier steps hold
+    less, in a fraction of the time (an OOM there may have come earlier in a whole run). An OOM is
+    caught into ``run.oom``.
+    """
+    if attention not in ("auto", "fused", "math") or cache not in ("prealloc", "cat"):
+        raise ValueError(f"attention must be auto/fused/math and cache prealloc/cat, "
+                         f"not {attention!r}, {cache!r}")
+    if not 0 < decode < context:
+        raise ValueError(f"need 0 < decode < context, got decode={decode} context={context}")
+    model = _meta(model)
+    check_supported(model)
+    target, config, dtype, meta = get_card(card), model.config, model.dtype, torch.device("meta")
+    ledger = Ledger(target.memory if budget is None else budget, _weights(model), trace)
+    kernels = Kernels(ledger, 9.0 if attention == "fused" else target.sm, attention)
+    prompt = context - decode
+    chunks = list(range(0, prompt, prefill_chunk))[-2 if tail else 0:]
+    steps = list(range(prompt, context))[-TAIL_STEPS if tail else 0:]
+    named = {m: "mlp" if n.endswith(".mlp") else "logits" for n, m in model.named_modules()
+             if n.endswith(".mlp") or n == "lm_head"}
+    hooks = [h for m, r in named.items() for h in (
+        m.register_forward_pre_hook(lambda m, a, r=r: ledger.push(r)),
+        m.register_forward_hook(lambda *_: ledger.pop()))]
+    oom, logits = None, None
+
+    def fill(upto: int) -> None:  # the cache as the skipped steps leave it, and their last logits
+        nonlocal logits
+        with ledger.region(counted=False):
+            if upto > kv.seq_len:
+                k = torch.empty(upto - kv.seq_len, kv.n_kv_heads, kv.head_dim, dtype=dtype,
+                                device=meta)
+                for layer in range(kv.n_layers):
+                    kv.write(layer, kv.seq_len, k, k)
+                kv.seq_len = ledger.tokens = upto
+            if logits is None and upto:
+                logits = torch.empty(1, config.vocab_size, dtype=dtype, device=meta)
+
+    try:
+        with ledger, kernels:
+            ids = torch.zeros(1, prompt, dtype=torch.long, device=meta)
+            with ledger.region("cache"):
+                kv = MeteredCache(KVCache.for_model(config, context, device=meta, dtype=dtype)
+                                  if cache == "prealloc" else
+                                  CatCache.for_model(config, device=meta, dtype=dtype), ledger)
+            fill(chunks[0])
+            for s in chunks:
+                logits = forward(model, ids[:, s : s + prefill_chunk], kv, s)
+                ledger.mark(kv.seq_len)
+            fill(steps[0])
+            for pos in steps:
+                logits = forward(model, logits.argmax(-1, keepdim=True), kv, pos)
+                ledger.mark(kv.seq_len)
+    except torch.OutOfMemoryError as e:
+        oom = e
+    finally:
+        for h in hooks:
+            h.remove()
+    return Run(context, prompt, cache, ledger.budget, ledger.peak, ledger.at_peak, ledger.timeline,
+               kernels.counts, oom, ledger.ops)
+
+
+def fits_context(model, context: int, *, prefill_chunk: int = 512, decode: int = 4, **kw) -> bool:
+    """Whether every prompt up to ``context`` tokens, and its decode steps to ``context``, fit.
+
+    A prompt's peak depends on the size of its last chunk as well as on its length, so this runs
+    two prompts (as tail runs): the one that fills the context but for ``decode`` steps, and the
+    longest whose last chunk is the largest partial one (``prefill_chunk - 1`` tokens; with kvlib's
+    decoder, an unaligned mask the kernel must copy). ``kw`` as for :func:`simulate`.
+    """
+    model = _meta(model)
+    kw.update(prefill_chunk=prefill_chunk, tail=True)
+    prompt = context - decode
+    partial = prompt - (prompt + 1) % prefill_chunk
+    return (simulate(model, context, decode=decode, **kw).fits
+            and (partial < 1 or partial == prompt
+                 or simulate(model, context, decode=context - partial, **kw).fits))
+
+
+def longest_context(model, *, lo: int | None = None, hi: int | None = None, **kw) -> int:
+    """The longest context that :func:`fits_context`, by bisection between ``lo`` (fits) and ``hi``
+    (does not; by default, one token more than the cache alone leaves room for)."""
+    model = _meta(model)
+    lo = kw.get("decode", 4) + 1 if lo is None else lo
+    if hi is None:
+        budget = kw.get("budget") or get_card(kw.get("card", "12 GiB")).memory
+        hi = (budget - _weights(model)) // kv_bytes_per_token(model.config, model.dtype) + 1
+    elif fits_context(model, hi, **kw):
+        raise ValueError(f"{hi:,} tokens fit: not an upper bound")
+    if not fits_context(model, lo, **kw):
+        raise ValueError(f"{lo:,} tokens do not fit: not a lower bound")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits_context(model, mid, **kw) else (lo, mid)
+    return lo

@@ -1,0 +1,213 @@
+"""The simulated card: exact ledger bytes, the kernel rules, the OOM, and the plan it checks."""
+
+import math
+
+import pytest
+import torch
+
+from helpers import TINY
+from kvlib.bandwidth import decode_bytes, step_bytes, twin_config
+from kvlib.budget import meta_model, plan_budget
+from kvlib.config import GIB, MIB, kv_bytes_per_token, load_config
+from kvlib.cards import CARDS, card, fused_sdpa, sdpa_kernel
+from kvlib.simulate import Ledger, fits_context, longest_context, simulate
+
+META, BF16 = torch.device("meta"), torch.bfloat16
+
+
+def empty(*shape, dtype=BF16):
+    return torch.empty(*shape, dtype=dtype, device=META)
+
+
+def weights(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return meta_model(TINY["qwen3"](), BF16)  # L 3, Hq 4, Hkv 2, D 16, d 64, V 512: 384 B/token
+
+
+@pytest.fixture(scope="module")
+def qwen3_4b():
+    return meta_model("qwen3-4b", BF16)
+
+
+def test_ledger_counts_live_storages_exactly():
+    with Ledger(start=1000) as led:
+        a = empty(100)  # 200 B
+        view = a[10:].view(2, 45)  # a view: no new storage
+        with led.region("cache"):
+            b = torch.cat([a, a])  # 400 B
+        assert (led.live, led.by_region) == (1600, {"weights": 1000, "other": 200, "cache": 400})
+        del a  # the view keeps the storage alive
+        assert led.live == 1600
+        del view
+        assert (led.live, led.peak) == (1400, 1600)
+        led.relabel(b, "mask")
+        assert led.by_region == {"weights": 1000, "other": 0, "cache": 0, "mask": 400}
+        led.mark(7)
+        del b
+        c = empty(3, dtype=torch.float32)
+        led.mark(8)
+    assert led.timeline == {"tokens": [7, 8], "live": [1400, 1012], "peak": [1600, 1400]}
+    assert led.at_peak == {"weights": 1000, "other": 200, "cache": 400}
+    del c
+    assert led.live == 1000  # freed after the ledger closed, still taken off
+
+
+def test_ledger_raises_at_the_op_that_passes_the_budget():
+    with Ledger(budget=1000, start=500) as led:
+        a = empty(200)  # 400 B: 900 live
+        led.mark(3)
+        with pytest.raises(torch.OutOfMemoryError, match=r"^simulated OOM at aten\.cat\.default: "
+                           r"900 B live \+ 800 B requested > 1,000 B budget \(3 tokens so far\)$"):
+            torch.cat([a, a])
+        assert led.live == 900  # the refused tensor is not kept
+    assert led.peak == 900
+
+
+def test_an_unchecked_block_stays_unchecked_inside_named_regions():
+    with Ledger(budget=1000) as led:
+        with led.region(counted=False), led.region("cache"):
+            a = empty(1000)  # 2000 B: past the budget, outside the check and the peak
+        assert (led.live, led.peak, led.by_region["cache"]) == (2000, 0, 2000)
+        with pytest.raises(torch.OutOfMemoryError, match="2,000 B live"):
+            empty(1)
+    del a
+
+
+def test_composite_ops_hold_their_parts_at_once():
+    """``_safe_softmax`` runs as softmax, an -inf test and a where: its output and the bool test
+    are live together (fp32 [8, 100]: 3200 B, the bool 800 B)."""
+    with Ledger() as led:
+        torch.ops.aten._safe_softmax(empty(8, 100, dtype=torch.float32), -1)
+    assert led.peak >= 3200 + 800
+
+
+@pytest.mark.parametrize("sm, dtype, mask, gqa, kernel", [
+    (9.0, BF16, False, True, "flash"),  # decode or causal prefill, grouped KV heads
+    (8.0, BF16, True, False, "efficient"),  # a masked chunk, query heads folded into rows
+    (7.5, torch.float16, True, False, "efficient"),
+    (7.5, torch.float16, False, True, "math"),  # efficient takes no grouped heads, flash needs sm80
+    (7.5, torch.float16, False, False, "efficient"),  # decode with query heads folded into rows
+    (7.5, BF16, False, False, "math"),  # no bf16 below sm80
+    (9.0, torch.float32, False, True, "math"),  # flash takes no fp32
+])
+def test_sdpa_kernel_rules(sm, dtype, mask, gqa, kernel):
+    q, k = empty(1, 32, 4, 128, dtype=dtype), empty(1, 8 if gqa else 32, 64, 128, dtype=dtype)
+    assert sdpa_kernel(sm, q, k, empty(4, 64) if mask else None, gqa) == kernel
+
+
+@pytest.mark.parametrize("S, padded", [(64, 0), (61, 12 * 64 * 2)])
+def test_fused_kernel_allocates_output_lse_and_a_padded_unaligned_mask(S, padded):
+    q, v, mask = empty(1, 8, 12, 128), empty(1, 8, S, 128), empty(12, S)
+    with Ledger() as led:
+        out = fused_sdpa(q, v, mask)
+    assert out.shape == (1, 8, 12, 128)
+    assert led.live == out.untyped_storage().nbytes() == 8 * 12 * 128 * 2
+    assert led.peak == led.live + 8 * 12 * 4 + padded  # + log-sum-exp, + the mask's copy
+
+
+def test_prealloc_holds_its_cache_flat_and_exact(tiny):
+    r = simulate(tiny, 300, budget=GIB, prefill_chunk=64, decode=6, attention="fused")
+    kv = kv_bytes_per_token(tiny.config, BF16)
+    assert r.at_peak["cache"] == 2 * 3 * 300 * 2 * 16 * 2 == 300 * kv  # 2 L S Hkv D bytes
+    assert r.timeline["tokens"] == [64, 128, 192, 256, 294, 295, 296, 297, 298, 299, 300]
+    assert len(set(r.timeline["live"][5:])) == 1  # decode steps keep nothing new
+    assert r.kernels == {"flash": 3 * (1 + 6), "efficient": 3 * 4}  # per layer: causal first
+    # chunk and decode steps on flash; the masked chunks on the memory-efficient kernel
+
+
+def test_cat_grows_one_token_a_step_and_dies_at_a_cat(tiny):
+    kw = dict(cache="cat", prefill_chunk=64, decode=400, attention="fused", tail=True)
+    r = simulate(tiny, 600, budget=GIB, **kw)
+    assert r.timeline["tokens"] == [192, 200, 599, 600] and r.timeline["peak"][-1] == r.peak
+    live, kv = r.timeline["live"], kv_bytes_per_token(tiny.config, BF16)
+    assert live[-1] - live[-2] == kv  # the whole cache was copied, one token longer
+    dead = simulate(tiny, 600, budget=r.peak - 1, **kw)
+    assert str(dead.oom).startswith("simulated OOM at aten.cat.default")
+    assert str(dead.oom).endswith("(599 tokens so far)") and dead.timeline["tokens"][-1] == 599
+
+
+def test_a_cache_that_does_not_fit_dies_as_it_is_allocated(tiny):
+    r = simulate(tiny, 1000, budget=weights(tiny) + 1000 * 96, prefill_chunk=64)  # a quarter of it
+    assert str(r.oom).startswith("simulated OOM at aten.empty")
+    assert str(r.oom).endswith("(0 tokens so far)")
+    assert not r.fits and r.timeline["tokens"] == []
+
+
+@pytest.mark.parametrize("cache", ["prealloc", "cat"])
+@pytest.mark.parametrize("attention", ["fused", "math"])
+def test_a_tail_run_peaks_as_the_whole_run(tiny, cache, attention):
+    for context, decode in ((300, 4), (237, 20)):
+        kw = dict(cache=cache, attention=attention, budget=GIB, prefill_chunk=64, decode=decode)
+        whole, tail = simulate(tiny, context, **kw), simulate(tiny, context, tail=True, **kw)
+        assert (tail.peak, tail.timeline["live"][-1]) == (whole.peak, whole.timeline["live"][-1])
+
+
+def test_the_math_path_materialises_the_scores(tiny):
+    fused, math_ = (simulate(tiny, 1024, budget=GIB, prefill_chunk=64, attention=a, tail=True)
+                    for a in ("fused", "math"))
+    assert math_.kernels == {"math": 3 * 4} and fused.kernels == {"efficient": 6, "flash": 6}
+    scores = 4 * 64 * 960 * 4  # [Hq, n, S] fp32, the last full chunk
+    assert math_.at_peak["attention"] > 2 * scores > 4 * fused.at_peak["attention"]
+    # the fused peak is in the last chunk, 60 tokens after 960: the kernel copies its unaligned mask
+    assert fused.at_peak["mask"] == 2 * 60 * 1020 * 2  # [group * n, S]
+
+
+@pytest.mark.parametrize("cache", ["prealloc", "cat"])
+@pytest.mark.parametrize("attention", ["fused", "math"])
+def test_plan_is_within_one_percent_below_the_simulated_limit(tiny, cache, attention):
+    budget = weights(tiny) + 6000 * kv_bytes_per_token(tiny.config, BF16)
+    plan = plan_budget(tiny.config, BF16, budget, prefill_chunk=64, attention=attention,
+                       cache=cache).max_context
+    kw = dict(budget=budget, cache=cache, attention=attention, prefill_chunk=64)
+    limit = longest_context(tiny, lo=plan, hi=math.ceil(plan * 1.01), **kw)  # checks lo and hi
+    assert plan <= limit < plan * 1.01
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache", ["prealloc", "cat"])
+@pytest.mark.parametrize("attention", ["fused", "math"])
+def test_qwen3_4b_plan_runs_on_12_gib_and_one_percent_more_does_not(qwen3_4b, cache, attention):
+    plan = plan_budget(load_config("qwen3-4b"), BF16, 12 * GIB, attention=attention, cache=cache)
+    kw = dict(card="12 GiB", cache=cache, attention=attention, prefill_chunk=512)
+    assert fits_context(qwen3_4b, plan.max_context, **kw)
+    assert not fits_context(qwen3_4b, math.ceil(plan.max_context * 1.01), **kw)
+
+
+@pytest.mark.slow
+def test_qwen3_4b_at_the_old_plan_passes_12_gib_on_a_fused_card(qwen3_4b):
+    """Issue 9's measurement: a chunked prefill to 32,620 tokens peaks ~176 MiB over 12 GiB."""
+    r = simulate(qwen3_4b, 32_620, attention="fused", tail=True)
+    assert "> 12,288.0 MiB budget (31,744 tokens so far)" in str(r.oom)  # in the last full chunk
+    over = simulate(qwen3_4b, 32_620, budget=16 * GIB, attention="fused", tail=True).peak - 12 * GIB
+    assert 170 * MIB < over < 180 * MIB
+
+
+def test_cards_cite_their_sheets_and_read_gb_as_gib():
+    assert len(CARDS) == 8 and all(c.source for c in CARDS.values())
+    assert card("12 GiB").memory == 12 * GIB and card("A100 80GB").bandwidth == 2039e9
+    assert card("T4").sm < 8.0 <= card("RTX 3060").sm and card(card("T4")) is card("T4")
+    with pytest.raises(ValueError, match="RTX 3060"):
+        card("RTX 9090")
+
+
+def test_predicted_ms_per_token_is_the_floor_and_cat_moves_its_cache_twice_more():
+    config, h100 = load_config("qwen3-4b"), card("H100 80GB")
+    kv = kv_bytes_per_token(config, BF16) * 8192
+    assert step_bytes(config, BF16, 8192) == decode_bytes(config, BF16, 8192)
+    assert step_bytes(config, BF16, 8192, "cat") == decode_bytes(config, BF16, 8192) + 2 * kv
+    assert h100.predicted_ms_per_token(config, BF16, 8192, "cat") == pytest.approx(
+        1e3 * (decode_bytes(config, BF16, 8192) + 2 * kv) / 3.35e12)
+
+
+def test_the_twin_has_qwen3_4b_kv_to_weights_ratio_at_a_cpu_context():
+    twin, qwen = twin_config(context=4096), load_config("qwen3-4b")
+    want = step_bytes(qwen, BF16, 32768, "cat") / step_bytes(qwen, BF16, 32768)
+    got = step_bytes(twin, torch.float32, 4096, "cat") / step_bytes(twin, torch.float32, 4096)
+    assert got == pytest.approx(want, rel=1e-3) and twin.num_hidden_layers == 30
+    assert 1 <= twin.intermediate_size < load_config("smollm2-135m").intermediate_size
+    with pytest.raises(ValueError, match="512 tokens"):
+        twin_config(context=512)
