@@ -216,7 +216,7 @@ def forward(model, ids, cache, start) -> torch.Tensor:
     device = ids[0].device
     positions = torch.cat([torch.arange(s, s + x.shape[-1], device=device)
                            for s, x in zip(starts, ids)])
-    packed = torch.cat([x.reshape(1, -1) for x in ids], 1) if batch else ids
+    packed = torch.cat([x.reshape(1, -1) for x in ids], 1) if batch else ids[0]
     logits = _run(model, packed, positions.unsqueeze(0), passes)
     for p in passes:
         p.cache.seq_len = p.end
