@@ -1,21 +1,17 @@
 """Paged KV: many requests share one pool of fixed-size blocks.
 
 A slab of ``max_seq`` slots per request reserves the longest request the server accepts for every
-request; most of it is never written. A pool cuts memory into blocks of ``block`` slots, gives a request
-a block when its tokens reach it and takes it back at ``reset()``: a request holds its length rounded up
-to a block. Its block table maps logical block ``i`` (slots ``i*block..(i+1)*block``) to a physical
-block; one block id spans every layer::
+request. A pool cuts memory into blocks of ``block`` slots, gives a request a block when its tokens
+reach it and takes them back at ``reset()``: a request holds its length rounded up to a block. Its block
+table maps logical block ``i`` (slots ``i*block..(i+1)*block``) to a physical block; one block id spans
+every layer: ``k, v: [n_layers, n_kv_heads, n_blocks, block, head_dim]``.
 
-    k, v: [n_layers, n_kv_heads, n_blocks, block, head_dim]
-
-A layer's ``[n_kv_heads, n_blocks * block, head_dim]`` is the physical layout PyTorch's paged
-FlexAttention reads in place. SDPA cannot follow a block table, so :meth:`PagedCache.view` gathers the
-request's blocks into a contiguous ``[1, Hkv, S, D]``: the whole context copied in every layer of every
-step, like ``cat``'s copy though freed right after. Only a kernel that reads the blocks where they are
-(vLLM's, FlashAttention's ``block_table``, compiled FlexAttention) removes it.
-
-:meth:`PagedCache.fork` starts a request on another's blocks (reference counts); the first write into a
-shared block copies it (copy on write), so a shared prompt prefix is stored once.
+A layer, ``[n_kv_heads, n_blocks * block, head_dim]``, is the layout PyTorch's paged FlexAttention reads
+in place. SDPA cannot follow a block table, so :meth:`PagedCache.view` gathers the request's blocks into
+a contiguous ``[1, Hkv, S, D]``: the context copied in every layer of every step, like ``cat``'s copy
+though freed at once. Only a kernel that follows the table (vLLM's, FlashAttention's ``block_table``,
+compiled FlexAttention) removes it. :meth:`PagedCache.fork` starts a request on another's blocks
+(reference counts); the first write into a shared block copies it, so a shared prefix is stored once.
 """
 
 import torch
@@ -42,8 +38,7 @@ class BlockPool:
         self.n_blocks, self.block = int(n_blocks), int(block)
         shape = (n_layers, n_kv_heads, self.n_blocks, self.block, head_dim)
         device = default_device() if device is None else device
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = (torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
         self.free = list(range(self.n_blocks - 1, -1, -1))  # a stack: pop() hands out block 0 first
         self.refs = [0] * self.n_blocks  # requests holding each block
 
@@ -73,8 +68,7 @@ class BlockPool:
     def copy(self, b: int) -> int:
         """Copy on write: a private copy of shared block ``b``, every layer, for one of its holders."""
         new = self.allocate()
-        self.k[:, :, new] = self.k[:, :, b]
-        self.v[:, :, new] = self.v[:, :, b]
+        self.k[:, :, new], self.v[:, :, new] = self.k[:, :, b], self.v[:, :, b]
         self.release([b])
         return new
 
@@ -84,16 +78,14 @@ class BlockPool:
 
 
 class PagedCache:
-    """One request's cache: a block table into a shared :class:`BlockPool`, under the Cache contract.
+    """One request: a block table into a shared :class:`BlockPool`, under the Cache contract.
 
-    ``max_seq`` is the whole pool: the most one request could ever get. Blocks are taken as its writes
-    reach them, so running out shows up as :class:`OutOfBlocks` from a write, with the pool's numbers.
-    """
+    ``max_seq`` is the whole pool, the most one request could get; running out of blocks is an
+    :class:`OutOfBlocks` from the write that needed one."""
 
     def __init__(self, pool: BlockPool) -> None:
-        self.pool, self.table, self.seq_len = pool, [], 0
+        self.pool, self.table, self.seq_len, self.max_seq = pool, [], 0, pool.n_blocks * pool.block
         self.n_layers, self.n_kv_heads, _, _, self.head_dim = pool.k.shape
-        self.max_seq = pool.n_blocks * pool.block
         self._index = torch.empty(0, dtype=torch.long, device=pool.k.device)  # the table, on device
         self._span = self._where = None  # the slots of the step being written, and their blocks
 
@@ -105,8 +97,7 @@ class PagedCache:
     def reset(self) -> None:
         """The request is done: its blocks go back to the pool (a shared one with its last holder)."""
         self.pool.release(self.table)
-        self.table, self.seq_len, self._span = [], 0, None
-        self._index = self._index[:0]
+        self.table, self.seq_len, self._span, self._index = [], 0, None, self._index[:0]
 
     def fork(self) -> "PagedCache":
         """A new request that starts with this one's ``seq_len`` slots, on the same blocks."""
