@@ -9,6 +9,11 @@ attention reads exactly the slots written so far, and each call has new shapes. 
 is the step a CUDA graph can capture: the position is a device tensor and attention reads a fixed
 ``span`` of slots, masking those past the position.
 
+A ragged batch (:func:`forward` given lists) packs every request's new tokens into one row,
+``[1, N]`` with ``N = sum(n_i)``: the projections and the MLP read the weights once for all of them,
+and there is no padding to compute or to mask. Only attention is per request: each request's queries
+read its own cache's slots, so no request can see another's tokens, whatever their lengths.
+
 Grouped-query attention is never expanded with a copy. Where a query sees every slot (a decode step),
 each KV head's group of query heads is folded into rows, ``[1, Hkv, group * n, D]``: a plain
 multi-head call every fused kernel takes, on every card. A prefill from an empty cache is causal; it
@@ -22,6 +27,7 @@ import functools
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable
 
 import torch
@@ -104,11 +110,12 @@ def _no_cudnn_attention(device: torch.device):
 
 @dataclass(frozen=True)
 class _Pass:
-    """What every layer of one forward shares: where its K/V go and which slots its queries read."""
+    """What every layer of one forward shares, per request: its rows of the packed tokens, where
+    its K/V go and which slots its queries read."""
 
+    rows: slice  # its n new tokens among the forward's N
+    cache: Cache
     write: Callable[[Cache, int, torch.Tensor, torch.Tensor], None]  # (cache, layer, k, v)
-    cos: torch.Tensor  # [1, n, D], the model's own RoPE at the tokens' positions
-    sin: torch.Tensor
     end: int  # slots read: 0..end
     mask: torch.Tensor | None  # [group * n, end] additive, for the folded rows; None: no mask
     causal: bool  # unfolded, is_causal, enable_gqa
@@ -124,17 +131,11 @@ def _rope_of(attention_class: type) -> Callable:
     return rope
 
 
-def _attention(attn, h: torch.Tensor, cache: Cache, layer: int, p: _Pass) -> torch.Tensor:
-    """One layer's self-attention for the n new tokens of ``h`` ``[1, n, d]``."""
-    n, D = h.shape[1], attn.head_dim
-    q = attn.q_proj(h).view(1, n, -1, D)  # [1, n, Hq, D]
-    k = attn.k_proj(h).view(1, n, -1, D)  # [1, n, Hkv, D]
-    v = attn.v_proj(h).view(1, n, -1, D)
-    if hasattr(attn, "q_norm"):  # RMSNorm over head_dim, before RoPE
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = _rope_of(type(attn))(q, k, p.cos, p.sin, unsqueeze_dim=2)  # heads on dim 2
-    p.write(cache, layer, k[0], v[0])
-    keys, values = cache.view(layer, p.end)  # [1, Hkv, S, D], views
+def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, p: _Pass):
+    """One request's attention: its queries ``[1, n, Hq, D]`` over its own cache's slots only."""
+    n, D = q.shape[1], attn.head_dim
+    p.write(p.cache, layer, k, v)
+    keys, values = p.cache.view(layer, p.end)  # [1, Hkv, S, D]
     q = q.transpose(1, 2)  # [1, Hq, n, D]; query head h reads KV head h // group
     if p.causal:
         o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=attn.scaling,
@@ -143,22 +144,34 @@ def _attention(attn, h: torch.Tensor, cache: Cache, layer: int, p: _Pass) -> tor
         o = F.scaled_dot_product_attention(q.reshape(1, keys.shape[1], -1, D), keys, values,
                                            attn_mask=p.mask, scale=attn.scaling)
         o = o.reshape(1, -1, n, D)  # [1, Hq, n, D]
-    return attn.o_proj(o.transpose(1, 2).reshape(1, n, -1))
+    return o.transpose(1, 2).reshape(1, n, -1)
 
 
-def _run(model, ids: torch.Tensor, cache: Cache, positions: torch.Tensor, **p) -> torch.Tensor:
-    """The layer loop both entry points share; the last position's logits ``[1, V]``."""
+def _attention(attn, h: torch.Tensor, layer: int, cos, sin, passes: list[_Pass]) -> torch.Tensor:
+    """One layer's self-attention for the N packed new tokens of ``h`` ``[1, N, d]``."""
+    N, D = h.shape[1], attn.head_dim
+    q = attn.q_proj(h).view(1, N, -1, D)  # [1, N, Hq, D]
+    k = attn.k_proj(h).view(1, N, -1, D)  # [1, N, Hkv, D]
+    v = attn.v_proj(h).view(1, N, -1, D)
+    if hasattr(attn, "q_norm"):  # RMSNorm over head_dim, before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = _rope_of(type(attn))(q, k, cos, sin, unsqueeze_dim=2)  # heads on dim 2
+    o = [_attend(attn, q[:, p.rows], k[0, p.rows], v[0, p.rows], layer, p) for p in passes]
+    return attn.o_proj(o[0] if len(o) == 1 else torch.cat(o, 1))
+
+
+def _run(model, ids: torch.Tensor, positions: torch.Tensor, passes: list[_Pass]) -> torch.Tensor:
+    """The layer loop both entry points share; each request's last logits ``[B, V]``."""
     body = model.model
-    x = body.embed_tokens(ids)  # [1, n, d]
-    cos, sin = body.rotary_emb(x, positions)  # the model's own RoPE, scaling included
-    step = _Pass(cos=cos, sin=sin, **p)
+    x = body.embed_tokens(ids)  # [1, N, d]
+    cos, sin = body.rotary_emb(x, positions)  # [1, N, D]: the model's own RoPE, scaling included
     with _no_cudnn_attention(ids.device):
         for i, layer in enumerate(body.layers):
-            x = x + _attention(layer.self_attn, layer.input_layernorm(x), cache, i, step)
+            x = x + _attention(layer.self_attn, layer.input_layernorm(x), i, cos, sin, passes)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-    # Only the last position goes through the head: the others' logits are never used, and for a
-    # long prompt they would be the largest tensor of the step.
-    return model.lm_head(body.norm(x[:, -1:]))[:, -1]
+    # Only each request's last position goes through the head: the others' logits are never used,
+    # and for a long prompt they would be the largest tensor of the step.
+    return model.lm_head(body.norm(x[0, [p.rows.stop - 1 for p in passes]]))
 
 
 def _mask(model, visible: torch.Tensor) -> torch.Tensor:
@@ -171,24 +184,42 @@ def _mask(model, visible: torch.Tensor) -> torch.Tensor:
     return mask.masked_fill(~visible, float("-inf")).repeat(group, 1)
 
 
-@torch.no_grad()  # inference only: a cache must never hold autograd history
-def forward(model, ids: torch.Tensor, cache: Cache, start: int) -> torch.Tensor:
-    """Run ``ids`` ``[1, n]`` at positions ``start..start+n``; return the last logits ``[1, V]``.
-
-    Every layer writes its K/V for those slots and reads slots ``0..start+n``; then
-    ``cache.seq_len = start + n``.
-    """
-    n, device = ids.shape[1], ids.device
+def _eager_pass(model, cache: Cache, start: int, rows: slice) -> _Pass:
+    """A request's new tokens (``rows`` of the batch) at slots ``start..``, attending causally."""
+    n, device = rows.stop - rows.start, cache.device
     end = start + n
-    positions = torch.arange(start, end, device=device).unsqueeze(0)
     causal = n > 1 and start == 0 and _gqa_fused(device)
     visible = None  # a decode step (one query sees every slot) needs no mask
     if n > 1 and not causal:  # causal, offset by `start`
         visible = torch.ones(n, end, dtype=torch.bool, device=device).tril(start)
-    logits = _run(model, ids, cache, positions, end=end, causal=causal,
-                  mask=None if visible is None else _mask(model, visible),
-                  write=lambda c, layer, k, v: c.write(layer, start, k, v))
-    cache.seq_len = end
+    return _Pass(rows=rows, cache=cache, end=end, causal=causal,
+                 mask=None if visible is None else _mask(model, visible),
+                 write=lambda c, layer, k, v: c.write(layer, start, k, v))
+
+
+@torch.no_grad()  # inference only: a cache must never hold autograd history
+def forward(model, ids, cache, start) -> torch.Tensor:
+    """Run ``ids`` ``[1, n]`` at positions ``start..start+n``; return the last logits ``[1, V]``.
+
+    Every layer writes its K/V for those slots and reads slots ``0..start+n``; then
+    ``cache.seq_len = start + n``. A ragged batch passes lists, one ``[1, n_i]`` / cache / start per
+    request, and gets each request's last logits, ``[B, V]``.
+    """
+    batch = isinstance(cache, (list, tuple))
+    ids, caches, starts = (ids, cache, start) if batch else ([ids], [cache], [start])
+    if not len(ids) == len(caches) == len(starts) > 0:
+        raise ValueError(f"a batch needs one prompt, cache and start per request: got {len(ids)} "
+                         f"prompts, {len(caches)} caches, {len(starts)} starts")
+    bounds = [0, *accumulate(int(x.shape[-1]) for x in ids)]  # request i: bounds[i]..bounds[i+1]
+    passes = [_eager_pass(model, c, s, slice(a, b))
+              for c, s, a, b in zip(caches, starts, bounds, bounds[1:])]
+    device = ids[0].device
+    positions = torch.cat([torch.arange(s, s + x.shape[-1], device=device)
+                           for s, x in zip(starts, ids)])
+    packed = torch.cat([x.reshape(1, -1) for x in ids], 1) if batch else ids[0]
+    logits = _run(model, packed, positions.unsqueeze(0), passes)
+    for p in passes:
+        p.cache.seq_len = p.end
     return logits
 
 
@@ -201,5 +232,6 @@ def forward_static(model, token: torch.Tensor, cache: Cache, pos: torch.Tensor, 
     ``cache.seq_len``: the caller, who knows the position on the host, does (:class:`StaticStep`).
     """
     visible = (torch.arange(span, device=token.device) <= pos).view(1, span)
-    return _run(model, token, cache, pos.view(1, 1), end=span, causal=False, mask=_mask(model, visible),
-                write=lambda c, layer, k, v: c.write_at(layer, pos, k, v))
+    step = _Pass(rows=slice(0, 1), cache=cache, end=span, causal=False, mask=_mask(model, visible),
+                 write=lambda c, layer, k, v: c.write_at(layer, pos, k, v))
+    return _run(model, token, pos.view(1, 1), [step])

@@ -85,41 +85,41 @@ def _cache(model, cache, step, max_seq: int) -> Cache:
 
 
 def _decode_step(model, cache: Cache, step, bucket: int):
-    """``decode(token [1, 1], pos) -> logits [1, V]`` for the chosen kind of step."""
-    if isinstance(step, StaticStep):
-        return step
+    """``decode(tokens [B, 1], caches, positions) -> logits [B, V]`` for the chosen kind of step."""
     if step == "eager":
-        return lambda token, pos: forward(model, token, cache, pos)
-    if step in ("static", "graph"):
-        return StaticStep(model, cache, bucket=bucket, capture=step == "graph")
+        return lambda tokens, caches, pos: forward(model, list(tokens.split(1)), caches, pos)
+    if isinstance(step, StaticStep) or step in ("static", "graph"):  # one request: B = 1
+        static = step if isinstance(step, StaticStep) else StaticStep(model, cache, bucket=bucket,
+                                                                       capture=step == "graph")
+        return lambda tokens, caches, pos: static(tokens, pos[0])
     raise ValueError(f"step must be 'eager', 'static' or 'graph', not {step!r}")
 
 
 def _check_request(model, ids: torch.Tensor, cache: Cache, max_new_tokens: int, prefill_chunk,
-                   extrapolate: bool) -> None:
+                   extrapolate: bool, who: str = "") -> None:
     """Refuse, with the numbers, a request that would overflow the cache or the model's positions."""
     n, start = ids.shape[1], cache.seq_len
     if n < 1 or max_new_tokens < 1:
-        raise ValueError(f"need a prompt and max_new_tokens >= 1, got {n} prompt tokens, {max_new_tokens}")
+        raise ValueError(f"{who}need a prompt and max_new_tokens >= 1, got {n} prompt tokens, {max_new_tokens}")
     if prefill_chunk is not None and prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        raise ValueError(f"{who}prefill_chunk must be >= 1, got {prefill_chunk}")
     end = start + n + max_new_tokens
     if cache.max_seq is not None and end > cache.max_seq:
-        raise ValueError(f"KV overflow: {start} cached + {n} prompt + {max_new_tokens} new tokens "
+        raise ValueError(f"{who}KV overflow: {start} cached + {n} prompt + {max_new_tokens} new tokens "
                          f"> max_seq={cache.max_seq}")
     trained = getattr(model.config, "max_position_embeddings", None)
     if trained and end - 1 > trained and not extrapolate:  # the last new token is never fed back
-        raise ValueError(f"{start} cached + {n} prompt + {max_new_tokens} new tokens reach position "
+        raise ValueError(f"{who}{start} cached + {n} prompt + {max_new_tokens} new tokens reach position "
                          f"{end - 2}, past max_position_embeddings={trained}, the longest this model was "
                          f"trained for; pass extrapolate=True to see what it does there")
 
 
 @torch.no_grad()
-def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, cache="prealloc",
+def generate(model, input_ids, max_new_tokens, *, cache="prealloc",
              max_seq: int | None = None, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, eos_token_id="auto",
              prefill_chunk: int | None = None, step="eager", bucket: int = 256, timed: bool = False,
-             return_logits: bool = False, on_step=None, extrapolate: bool = False) -> Generation:
+             return_logits: bool = False, on_step=None, extrapolate: bool = False):
     """Generate up to ``max_new_tokens`` after ``input_ids`` ``[1, n]`` (or ``[n]``).
 
     ``cache``: ``"prealloc"`` (a :class:`KVCache` of ``max_seq`` slots, default prompt + new tokens),
@@ -130,22 +130,42 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, cache="prea
     bounded. ``on_step(step, seq_len)`` is called after each decode step (for memory traces and meters).
     A request past the model's ``max_position_embeddings`` is refused unless ``extrapolate``.
 
+    A list of prompts is a ragged batch, and a list of Generations comes back. Each request keeps
+    its own length, positions, EOS and ``max_new_tokens`` (one int, or a list), and its own cache:
+    ``"prealloc"`` and ``"cat"`` make one each, or pass a list of caches (paged ones share a pool).
+    Each decode step runs every unfinished request in one forward, so the weights are read once for
+    all of them; a request that finishes leaves the batch, and ``on_step`` gets a list of the
+    seq_lens still running. Greedy tokens equal each request's run alone; sampling shares one
+    generator.
+
     ``step`` is how a decode step runs: ``"eager"`` slices attention to the length; ``"static"`` reads
     fixed spans of ``bucket`` slots with a mask (any device); ``"graph"`` is ``"static"`` captured as
     CUDA graphs and replayed (:mod:`kvlib.graphs`); pass a :class:`StaticStep` itself to keep its graphs
     from one request to the next (its cache is then the cache). Static and graph steps give the same
     tokens; the eager step's unmasked attention may differ from them in the last bits, which in fp32 has
-    not flipped a token in the tests but in bf16 can.
+    not flipped a token in the tests but in bf16 can. They run one request; a batch decodes eagerly.
     """
     check_supported(model)
     device = model.device
-    if input_ids.dim() > 2 or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
-        raise ValueError(f"batch 1 only: input_ids is {list(input_ids.shape)}, expected [1, n] or [n]")
-    ids = input_ids.reshape(1, -1).to(device)
-    n = ids.shape[1]
-    cache = _cache(model, cache, step, max_seq or n + max(max_new_tokens, 1))
-    _check_request(model, ids, cache, max_new_tokens, prefill_chunk, extrapolate)
-    decode = _decode_step(model, cache, step, bucket)
+    batch = isinstance(input_ids, (list, tuple))
+    for x in input_ids if batch else [input_ids]:
+        if x.dim() > 2 or (x.dim() == 2 and x.shape[0] != 1):
+            raise ValueError(f"one prompt per request: input_ids is {list(x.shape)}, expected "
+                             f"[1, n] or [n]; pass a list of prompts for a batch")
+    ids = [x.reshape(1, -1).to(device) for x in (input_ids if batch else [input_ids])]
+    B, lens = len(ids), [x.shape[1] for x in ids]
+    news = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * B
+    given = list(cache) if isinstance(cache, (list, tuple)) else [cache] * B
+    if B == 0 or len(news) != B or len(given) != B or (B > 1 and step != "eager"):
+        raise ValueError(f"a batch of {B} requests needs {B} max_new_tokens and {B} caches (got "
+                         f"{len(news)} and {len(given)}) and step='eager' (got {step!r})")
+    caches = [_cache(model, c, step, max_seq or n + max(m, 1))
+              for c, n, m in zip(given, lens, news)]
+    if len({id(c) for c in caches}) < B:
+        raise ValueError(f"the {B} requests of a batch need a cache each: pass {B} caches")
+    for r, (x, c, m) in enumerate(zip(ids, caches, news)):
+        _check_request(model, x, c, m, prefill_chunk, extrapolate, f"request {r}: " if batch else "")
+    decode = _decode_step(model, caches[0], step, bucket)
     if eos_token_id == "auto":
         eos_token_id = model.generation_config.eos_token_id
     eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device, dtype=torch.long)
@@ -153,43 +173,58 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, cache="prea
     generator = torch.Generator(device).manual_seed(0 if seed is None else seed) if temperature > 0 else None
     timer = StepTimer(device) if timed else _NoTimer()
 
-    # 1. Prefill, in chunks: each chunk's workspace is bounded, whatever the prompt's length.
-    start = cache.seq_len
-    chunk = prefill_chunk or n
+    # 1. Prefill, in chunks: each chunk's workspace is bounded, whatever the prompt's length. A
+    #    batch packs every request's next chunk into one forward.
+    starts = [c.seq_len for c in caches]
+    chunk, last = prefill_chunk or max(lens), {}
     timer.start()
-    for s in range(0, n, chunk):
-        logits = forward(model, ids[:, s : s + chunk], cache, start + s)
+    for s in range(0, max(lens), chunk):
+        live = [r for r in range(B) if s < lens[r]]
+        rows = forward(model, [ids[r][:, s : s + chunk] for r in live], [caches[r] for r in live],
+                       [starts[r] + s for r in live])
+        last.update(zip(live, rows))
     timer.stop()
+    logits = torch.stack([last[r] for r in range(B)])  # [B, V]
 
     # 2. Decode: pick on the device, feed it back. EOS is looked for only every EOS_CHECK_EVERY steps.
-    out = torch.empty(max_new_tokens, dtype=torch.long, device=device)
-    kept_logits = [] if return_logits else None
-    pos = start + n
-    for produced in range(1, max_new_tokens + 1):
-        nxt = _pick(logits, temperature, top_k, top_p, generator)  # [1, 1]
-        out[produced - 1] = nxt[0, 0]
-        if kept_logits is not None:
-            kept_logits.append(logits[0].float().cpu())
-        if produced == max_new_tokens:
+    out = torch.full((B, max(news)), -1, dtype=torch.long, device=device)  # -1: not made
+    kept_logits = [[] for _ in range(B)] if return_logits else None
+    pos = [s + n for s, n in zip(starts, lens)]
+    active, made = list(range(B)), 0  # every running request has made `made` tokens
+    while active:
+        nxt = _pick(logits, temperature, top_k, top_p, generator)  # [b, 1]: b requests running
+        out[active, made] = nxt[:, 0]
+        made += 1
+        for i, r in enumerate(active if kept_logits is not None else ()):
+            kept_logits[r].append(logits[i].float().cpu())
+        done = [made == news[r] for r in active]
+        if eos.numel() and (timed or made % EOS_CHECK_EVERY == 0):
+            seen = torch.isin(out[active, :made], eos).any(1).tolist()
+            done = [d or e for d, e in zip(done, seen)]
+        if any(done):
+            nxt = nxt[[i for i, d in enumerate(done) if not d]]
+            active = [r for r, d in zip(active, done) if not d]
+        if not active:
             break
-        if eos.numel() and (timed or produced % EOS_CHECK_EVERY == 0):
-            if bool(torch.isin(out[:produced], eos).any()):
-                break
         timer.start()
-        logits = decode(nxt, pos)
-        pos += 1
+        logits = decode(nxt, [caches[r] for r in active], [pos[r] for r in active])
+        for r in active:
+            pos[r] += 1
         timer.stop()
         if on_step:
-            on_step(produced - 1, pos)
+            on_step(made - 1, [pos[r] for r in active] if batch else pos[0])
 
     # 3. Drop the steps past an EOS seen late, and their slots.
-    tokens = out[:produced].tolist()
-    stops = set(eos.tolist())
-    first = next((i for i, t in enumerate(tokens) if t in stops), None)
-    if first is not None:
-        tokens = tokens[: first + 1]
-        cache.seq_len = start + n + len(tokens) - 1
-        kept_logits = kept_logits[: len(tokens)] if kept_logits is not None else None
-    times = timer.times_s
-    return Generation(tokens=tokens, prompt_len=n, cache=cache, prefill_s=times[0] if times else None,
-                      step_s=times[1 : len(tokens)] if times else None, logits=kept_logits)
+    stops, times, rows = set(eos.tolist()), timer.times_s, out.tolist()
+    gens = []
+    for r in range(B):
+        tokens = [t for t in rows[r] if t >= 0]
+        first = next((i for i, t in enumerate(tokens) if t in stops), None)
+        if first is not None:
+            tokens = tokens[: first + 1]
+            caches[r].seq_len = starts[r] + lens[r] + len(tokens) - 1
+        gens.append(Generation(tokens=tokens, prompt_len=lens[r], cache=caches[r],
+                               prefill_s=times[0] if times else None,
+                               step_s=times[1 : len(tokens)] if times else None,
+                               logits=None if kept_logits is None else kept_logits[r][: len(tokens)]))
+    return gens if batch else gens[0]
