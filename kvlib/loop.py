@@ -137,7 +137,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, cache="prea
     tokens; the eager step's unmasked attention may differ from them in the last bits, which in fp32 has
     not flipped a token in the tests but in bf16 can.
     """
-    check_supported(model)
+    check_supported(model, window=getattr(cache, "window", None))  # a ring cache has one
     device = model.device
     if input_ids.dim() > 2 or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
         raise ValueError(f"batch 1 only: input_ids is {list(input_ids.shape)}, expected [1, n] or [n]")
