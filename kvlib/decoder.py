@@ -54,7 +54,8 @@ def check_supported(model, window: int | None = None) -> None:
 
     Any family built from the parts above runs (Llama, Mistral, Qwen2, Qwen3, Gemma, ...); the error
     names the part that is not. Sliding-window layers run over a cache of their ``window`` (a
-    :class:`~kvlib.ring_cache.RingCache`'s); a window on a full-attention model is the caller's choice.
+    :class:`~kvlib.ring_cache.RingCache`'s); a window on a full-attention model is the caller's
+    choice.
     """
     config, body = model.config, getattr(model, "model", None)
     layer = body.layers[0] if body is not None and len(getattr(body, "layers", ())) else None
@@ -76,15 +77,17 @@ def check_supported(model, window: int | None = None) -> None:
         raise NotImplementedError(f"{config.model_type!r} has layers without RoPE (no_rope_layers="
                                   f"{config.no_rope_layers}); kvlib's token loop rotates every layer")
     kinds = getattr(config, "layer_types", None) or []
-    if windowed := [t for t in kinds if t != "full_attention"]:
-        if len(windowed) < len(kinds) or windowed[0] != "sliding_attention":
-            raise NotImplementedError(f"{len(windowed)} of {len(kinds)} layers use {windowed[0]!r}; kvlib's "
-                                      f"token loop runs full or sliding-window attention in every layer")
-    sliding = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    windowed = [t for t in kinds if t != "full_attention"]
+    if windowed and (len(windowed) < len(kinds) or windowed[0] != "sliding_attention"):
+        raise NotImplementedError(f"{len(windowed)} of {len(kinds)} layers use {windowed[0]!r}; "
+                                  f"kvlib's token loop runs full or sliding-window attention in "
+                                  f"every layer")
+    sliding = getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", 0)
     if sliding and (windowed or not kinds) and window != sliding:
-        raise NotImplementedError(f"sliding_window={sliding}: each layer attends to the last {sliding} tokens; "
-                                  f"run it over a RingCache(window={sliding}), not "
-                                  + ("a full cache" if window is None else f"a window of {window}"))
+        have = "a full cache" if window is None else f"a window of {window}"
+        raise NotImplementedError(f"sliding_window={sliding}: each layer attends to the last "
+                                  f"{sliding} tokens; run it over a RingCache(window={sliding}), "
+                                  f"not {have}")
 
 
 @functools.cache
@@ -190,7 +193,8 @@ def forward(model, ids: torch.Tensor, cache: Cache, start: int) -> torch.Tensor:
     causal = n > 1 and start == 0 and band is None and _gqa_fused(device)
     visible = None  # a decode step (one query sees every slot the cache hands out) needs no mask
     if n > 1 and not causal:  # causal, offset by `start`, unless the cache knows better
-        visible = band(start, n) if band else torch.ones(n, end, dtype=torch.bool, device=device).tril(start)
+        visible = band(start, n) if band else torch.ones(n, end, dtype=torch.bool,
+                                                         device=device).tril(start)
     logits = _run(model, ids, cache, positions, end=end, causal=causal,
                   mask=None if visible is None else _mask(model, visible),
                   write=lambda c, layer, k, v: c.write(layer, start, k, v))

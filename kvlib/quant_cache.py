@@ -1,19 +1,13 @@
 """A quantized KV cache: int8 (or int4) codes and a scale per group, instead of bf16/fp32 values.
 
-K and V are quantized as they are written and dequantized as attention reads them. Symmetric, one
-scale per token, KV head and ``group`` channels (int8: ``group = D``, one per token and head)::
-
-    scale = max|x| / qmax,  code = round(x / scale) in [-qmax, qmax]   (qmax: 127 or 7)
-
-Per token, because a token is written once: its scale is final at write time, so a slot holds its
-final bytes like any slot of a preallocated cache. (KIVI quantizes keys per channel, since a few key
-channels dwarf the rest; a per-channel scale spans tokens and changes as they arrive, which needs a
-full-precision window of recent tokens.) Symmetric, because K and V sit around zero.
-
-Scales are kept in the compute dtype: int8 codes times a bf16 scale give bf16, so dequantizing is
-one multiply that allocates only its result. SDPA takes floating-point K/V, so :meth:`QuantCache.view`
-returns a dequantized copy of one layer's slots, ``[1, Hkv, S, D]``, alive for that layer's
-attention only: a copy of the whole context never exists.
+Quantized at write, dequantized on read. Symmetric (K and V sit around zero), one scale per token,
+KV head and ``group`` channels (int8: ``group = D``): ``scale = max|x| / qmax``, ``code =
+round(x / scale)`` in ``[-qmax, qmax]``, qmax 127 or 7. Per token, because a token is written once:
+its scale is final then, so a slot holds its final bytes like any preallocated slot. (KIVI quantizes
+keys per channel, as a few key channels dwarf the rest; such a scale spans tokens, so it needs a
+full-precision window of recent ones.) Scales are in the compute dtype: dequantizing is one
+multiply. SDPA takes floating-point K/V, so :meth:`QuantCache.view` returns a dequantized copy of
+one layer's slots, alive for that layer's attention only: never a copy of the whole context at once.
 """
 
 from dataclasses import dataclass, replace
@@ -27,13 +21,15 @@ from .env import default_device
 
 __all__ = ["FORMATS", "QuantCache", "WindowBudget", "kv_format_bytes", "plan_kv"]
 
-# What the budget prices: bits per element, channels per scale (0: D; None: no per-token scale, as
-# the fp8 caches of serving engines, whose one scale per tensor costs nothing per token).
-FORMATS = {"bf16": (16, None), "fp8": (8, None), "int8": (8, 0), "int4": (4, 32)}
+# Bytes per token and KV head of the formats the budget prices, with 2-byte scales (a bf16 card's);
+# fp8, as serving engines store it, has one scale per tensor: nothing per token.
+FORMATS = {"bf16": lambda D: 2 * D, "fp8": lambda D: D, "int8": lambda D: D + 2,
+           "int4": lambda D: D // 2 + D // min(32, D) * 2}
 
 
 def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [..., D]`` -> codes ``[..., D bits/8]`` (int4: two a byte), scales ``[..., D/group, 1]``."""
+    """``x [..., D]`` -> codes ``[..., D bits/8]`` (int4: two a byte), scales ``[..., D/group, 1]``
+    in ``x``'s dtype."""
     qmax = 2 ** (bits - 1) - 1
     g = x.unflatten(-1, (-1, group))  # [..., D/group, group]
     # the scale is rounded to x's dtype first, so the codes are computed against the one kept
@@ -61,7 +57,8 @@ class QuantCache:
         group = group or (head_dim if bits == 8 else min(32, head_dim))
         if bits not in (8, 4) or min(n_layers, max_seq, n_kv_heads, group) < 1 or head_dim % group:
             raise ValueError(f"bad shape: bits={bits} (8 or 4) layers={n_layers} max_seq={max_seq} "
-                             f"kv_heads={n_kv_heads} head_dim={head_dim} group={group} (divides it)")
+                             f"kv_heads={n_kv_heads} head_dim={head_dim} group={group} "
+                             f"(divides it)")
         self.n_layers, self.max_seq, self.n_kv_heads = int(n_layers), int(max_seq), int(n_kv_heads)
         self.head_dim, self.bits, self.group, self.seq_len = int(head_dim), bits, group, 0
         device = default_device() if device is None else device
@@ -73,37 +70,32 @@ class QuantCache:
 
     @classmethod
     def for_model(cls, config, max_seq: int, *, bits=8, group=None, device=None, dtype=None):
-        return cls(config.num_hidden_layers, max_seq, kv_heads(config), head_dim(config), bits=bits,
-                   group=group, device=device, dtype=dtype or torch.bfloat16)
+        return cls(config.num_hidden_layers, max_seq, kv_heads(config), head_dim(config),
+                   bits=bits, group=group, device=device, dtype=dtype or torch.bfloat16)
 
     dtype = property(lambda self: self.k_scale.dtype)  # what is written and read
     device = property(lambda self: self.k.device)
     nbytes = property(lambda self: sum(t.numel() * t.element_size()
                                        for t in (self.k, self.v, self.k_scale, self.v_scale)))
-
-    @property
-    def bytes_per_token(self) -> int:
-        """K and V of a token, all layers, scales included: ``2 L Hkv (D bits/8 + D/group scale)``."""
-        per_head = self.head_dim * self.bits // 8 + self.head_dim // self.group * self.dtype.itemsize
-        return 2 * self.n_layers * self.n_kv_heads * per_head
+    # K and V of a token, all layers, scales included: 2 L Hkv (D bits/8 + D/group scale bytes)
+    bytes_per_token = property(lambda self: self.nbytes // self.max_seq)
 
     def reset(self) -> None:
         self.seq_len = 0  # nothing freed or zeroed: slots past seq_len are never read
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize ``[n, Hkv, D]`` into slots ``start..start+n``; a refused write writes nothing."""
+        """Quantize ``[n, Hkv, D]`` into slots ``start..start+n``; a refused write writes none."""
         check_kv(self, layer, start, k, v)
         end = start + k.shape[0]
         if end > self.max_seq:
-            raise ValueError(f"KV overflow: writing slots {start}..{end} into max_seq={self.max_seq}")
+            raise ValueError(f"KV overflow: writing slots {start}..{end} into "
+                             f"max_seq={self.max_seq}")
         for x, code, scale in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
             code[layer, :, start:end], scale[layer, :, start:end] = quantize(
                 x.transpose(0, 1), self.bits, self.group)
 
     def view(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[1, Hkv, seq, D]`` in the compute dtype: a dequantized copy of one layer's slots."""
-        if not 0 <= layer < self.n_layers:
-            raise IndexError(f"layer {layer} out of range for n_layers={self.n_layers}")
         if not 0 <= seq <= self.max_seq:
             raise ValueError(f"view of {seq} slots from a cache of max_seq={self.max_seq}")
         return tuple(dequantize(c[layer, :, :seq], s[layer, :, :seq], self.group).unsqueeze(0)
@@ -111,16 +103,13 @@ class QuantCache:
 
     def __repr__(self) -> str:
         return (f"QuantCache(int{self.bits}, group={self.group}, layers={self.n_layers}, "
-                f"max_seq={self.max_seq}, kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
-                f"{self.nbytes / MIB:.1f} MiB, {self.bytes_per_token} B/token, seq_len={self.seq_len})")
+                f"max_seq={self.max_seq}, {self.nbytes / MIB:.1f} MiB, "
+                f"{self.bytes_per_token} B/token, seq_len={self.seq_len})")
 
 
 def kv_format_bytes(config, kv: str = "bf16") -> int:
-    """KV bytes per token of ``config`` stored as ``kv``, 2-byte scales included (a bf16 card's)."""
-    bits, group = FORMATS[kv]
-    D = head_dim(config)
-    scales = 0 if group is None else D // min(group or D, D) * 2
-    return 2 * config.num_hidden_layers * kv_heads(config) * (D * bits // 8 + scales)
+    """KV bytes per token of ``config`` stored as ``kv``: what a :class:`QuantCache` holds."""
+    return 2 * config.num_hidden_layers * kv_heads(config) * FORMATS[kv](head_dim(config))
 
 
 @dataclass(frozen=True, repr=False)

@@ -156,7 +156,7 @@ def test_a_ring_cannot_go_back():
             "RingCache writes positions in order: layer 0 holds 0..31, a write at 25 would leave "
             "stale slots; reset() for a new request")):
         generate(model, prompt(3), 4, cache=cache, eos_token_id=None)
-    with pytest.raises(ValueError, match=re.escape("layer 1 holds up to 31, not a view of 20")):
+    with pytest.raises(ValueError, match=re.escape("layer 1 of 3 holds up to 31, not a view of 20")):
         cache.view(1, 20)
     cache.reset()
     assert generate(model, prompt(), N_NEW, cache=cache, eos_token_id=None).tokens == hf_reference("mistral")[0]
