@@ -21,6 +21,9 @@ from .kv_cache import KVCache
 from .loop import Generation, generate
 from .meter import AllocMeter, MeteredCache
 from .models import load_model, model_names
+from .quant_cache import QuantCache
+from .ring_cache import RingCache
 
-__all__ = ["AllocMeter", "Cache", "CatCache", "Generation", "KVCache", "MeteredCache", "auto_dtype",
-           "default_device", "forward", "forward_static", "generate", "label", "load_model", "model_names"]
+__all__ = ["AllocMeter", "Cache", "CatCache", "Generation", "KVCache", "MeteredCache", "QuantCache",
+           "RingCache", "auto_dtype", "default_device", "forward", "forward_static", "generate", "label",
+           "load_model", "model_names"]

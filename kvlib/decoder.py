@@ -55,11 +55,13 @@ def _parts(module) -> set[str]:
     return {n for n, _ in module.named_children()} | {n for n, _ in module.named_parameters(recurse=False)}
 
 
-def check_supported(model) -> None:
+def check_supported(model, window: int | None = None) -> None:
     """Refuse, by what it contains, a model this loop would compute wrongly.
 
     Any family built from the parts above runs (Llama, Mistral, Qwen2, Qwen3, Gemma, ...); the error
-    names the part that is not. Windowed layers wait for a windowed cache.
+    names the part that is not. Sliding-window layers run over a cache of their ``window`` (a
+    :class:`~kvlib.ring_cache.RingCache`'s); a window on a full-attention model is the caller's
+    choice.
     """
     config, body = model.config, getattr(model, "model", None)
     layer = body.layers[0] if body is not None and len(getattr(body, "layers", ())) else None
@@ -80,13 +82,18 @@ def check_supported(model) -> None:
     if 0 in (getattr(config, "no_rope_layers", None) or []):
         raise NotImplementedError(f"{config.model_type!r} has layers without RoPE (no_rope_layers="
                                   f"{config.no_rope_layers}); kvlib's token loop rotates every layer")
-    windowed = [t for t in (getattr(config, "layer_types", None) or []) if t != "full_attention"]
-    if windowed:
-        raise NotImplementedError(f"{len(windowed)} layers use {windowed[0]!r}; "
-                                  f"kvlib's token loop supports full attention only")
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        raise NotImplementedError(f"sliding_window={config.sliding_window}; "
-                                  f"kvlib's token loop supports full attention only")
+    kinds = getattr(config, "layer_types", None) or []
+    windowed = [t for t in kinds if t != "full_attention"]
+    if windowed and (len(windowed) < len(kinds) or windowed[0] != "sliding_attention"):
+        raise NotImplementedError(f"{len(windowed)} of {len(kinds)} layers use {windowed[0]!r}; "
+                                  f"kvlib's token loop runs full or sliding-window attention in "
+                                  f"every layer")
+    sliding = getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", 0)
+    if sliding and (windowed or not kinds) and window != sliding:
+        have = "a full cache" if window is None else f"a window of {window}"
+        raise NotImplementedError(f"sliding_window={sliding}: each layer attends to the last "
+                                  f"{sliding} tokens; run it over a RingCache(window={sliding}), "
+                                  f"not {have}")
 
 
 @functools.cache
@@ -188,10 +195,13 @@ def _eager_pass(model, cache: Cache, start: int, rows: slice) -> _Pass:
     """A request's new tokens (``rows`` of the batch) at slots ``start..``, attending causally."""
     n, device = rows.stop - rows.start, cache.device
     end = start + n
-    causal = n > 1 and start == 0 and _gqa_fused(device)
-    visible = None  # a decode step (one query sees every slot) needs no mask
-    if n > 1 and not causal:  # causal, offset by `start`
-        visible = torch.ones(n, end, dtype=torch.bool, device=device).tril(start)
+    # A cache that holds some positions only (a ring) says which of its keys each query sees.
+    band = getattr(cache, "visible", None)
+    causal = n > 1 and start == 0 and band is None and _gqa_fused(device)
+    visible = None  # a decode step (one query sees every slot the cache hands out) needs no mask
+    if n > 1 and not causal:  # causal, offset by `start`, unless the cache knows better
+        visible = band(start, n) if band else torch.ones(n, end, dtype=torch.bool,
+                                                         device=device).tril(start)
     return _Pass(rows=rows, cache=cache, end=end, causal=causal,
                  mask=None if visible is None else _mask(model, visible),
                  write=lambda c, layer, k, v: c.write(layer, start, k, v))

@@ -145,7 +145,7 @@ def generate(model, input_ids, max_new_tokens, *, cache="prealloc",
     tokens; the eager step's unmasked attention may differ from them in the last bits, which in fp32 has
     not flipped a token in the tests but in bf16 can. They run one request; a batch decodes eagerly.
     """
-    check_supported(model)
+    check_supported(model, window=getattr(cache, "window", None))  # a ring cache has one
     device = model.device
     batch = isinstance(input_ids, (list, tuple))
     for x in input_ids if batch else [input_ids]:

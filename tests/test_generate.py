@@ -386,7 +386,8 @@ def tiny_from(config):
          "'granite' has scaled residuals (residual_multiplier=0.5)"),
         (SmolLM3Config(**SHARED, no_rope_layers=[1, 0, 1]),
          "'smollm3' has layers without RoPE (no_rope_layers=[1, 0, 1])"),
-        (MistralConfig(**SHARED), "sliding_window=4096; kvlib's token loop supports full attention only"),
+        (MistralConfig(**SHARED), "sliding_window=4096: each layer attends to the last 4096 tokens; "
+                                  "run it over a RingCache(window=4096), not a full cache"),
     ],
     ids=["gpt2", "olmo2", "granite-scaled", "smollm3-nope", "mistral-windowed"],
 )
@@ -400,11 +401,11 @@ def test_the_same_families_are_accepted_where_nothing_is_unusual():
         kvlib.decoder.check_supported(tiny_from(config))  # no error: neutral values compute the same
 
 
-def test_sliding_window_layers_are_refused():
+def test_layers_of_mixed_attention_are_refused():
     config = Qwen2Config(**SHARED, use_sliding_window=True, sliding_window=8, max_window_layers=1)
     assert "sliding_attention" in config.layer_types
-    with pytest.raises(NotImplementedError, match="2 layers use 'sliding_attention'; kvlib's token loop "
-                                                  "supports full attention only"):
+    with pytest.raises(NotImplementedError, match="2 of 3 layers use 'sliding_attention'; kvlib's token "
+                                                  "loop runs full or sliding-window attention in every layer"):
         generate(tiny_from(config), torch.tensor([[1, 2, 3]]), 2)
 
 

@@ -1,0 +1,139 @@
+"""A quantized KV cache: int8 (or int4) codes and a scale per group, instead of bf16/fp32 values.
+
+Quantized at write, dequantized on read. Symmetric (K and V sit around zero), one scale per token,
+KV head and ``group`` channels (int8: ``group = D``): ``scale = max|x| / qmax``, ``code =
+round(x / scale)`` in ``[-qmax, qmax]``, qmax 127 or 7. Per token, because a token is written once:
+its scale is final then, so a slot holds its final bytes like any preallocated slot. (KIVI quantizes
+keys per channel, as a few key channels dwarf the rest; such a scale spans tokens, so it needs a
+full-precision window of recent ones.) Scales are in the compute dtype: dequantizing is one
+multiply. SDPA takes floating-point K/V, so :meth:`QuantCache.view` returns a dequantized copy of
+one layer's slots, alive for that layer's attention only: never a copy of the whole context at once.
+"""
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .budget import Budget, plan_budget
+from .cache import check_kv
+from .config import MIB, head_dim, kv_heads
+from .env import default_device
+
+__all__ = ["FORMATS", "QuantCache", "WindowBudget", "kv_format_bytes", "plan_kv"]
+
+# Bytes per token and KV head of the formats the budget prices, with 2-byte scales (a bf16 card's);
+# fp8, as serving engines store it, has one scale per tensor: nothing per token.
+FORMATS = {"bf16": lambda D: 2 * D, "fp8": lambda D: D, "int8": lambda D: D + 2,
+           "int4": lambda D: D // 2 + D // min(32, D) * 2}
+
+
+def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., D]`` -> codes ``[..., D bits/8]`` (int4: two a byte), scales ``[..., D/group, 1]``
+    in ``x``'s dtype."""
+    qmax = 2 ** (bits - 1) - 1
+    g = x.unflatten(-1, (-1, group))  # [..., D/group, group]
+    # the scale is rounded to x's dtype first, so the codes are computed against the one kept
+    scale = (g.abs().amax(-1, keepdim=True) / qmax).clamp_min(torch.finfo(x.dtype).tiny)
+    code = (g.float() / scale.float()).round_().clamp_(-qmax, qmax).flatten(-2).to(torch.int8)
+    if bits == 4:  # offset to 1..15, two to a byte: even channels in the low nibble
+        u = (code + 8).to(torch.uint8)
+        code = u[..., 0::2] | (u[..., 1::2] << 4)
+    return code, scale
+
+
+def dequantize(code: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """Codes ``[..., D bits/8]`` and scales ``[..., D/group, 1]`` -> values ``[..., D]``."""
+    if code.dtype == torch.uint8:  # int4: unpack both nibbles, back to -7..7
+        code = torch.stack([code & 15, code >> 4], -1).flatten(-2).to(torch.int8) - 8
+    return (code.unflatten(-1, (-1, group)) * scale).flatten(-2)  # int8 * scale: scale's dtype
+
+
+class QuantCache:
+    """Preallocated codes ``[L, Hkv, S, D bits/8]`` and scales ``[L, Hkv, S, D/group, 1]``."""
+
+    def __init__(self, n_layers: int, max_seq: int, n_kv_heads: int, head_dim: int, *,
+                 bits: int = 8, group: int | None = None, device=None,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        group = group or (head_dim if bits == 8 else min(32, head_dim))
+        if bits not in (8, 4) or min(n_layers, max_seq, n_kv_heads, group) < 1 or head_dim % group:
+            raise ValueError(f"bad shape: bits={bits} (8 or 4) layers={n_layers} max_seq={max_seq} "
+                             f"kv_heads={n_kv_heads} head_dim={head_dim} group={group} "
+                             f"(divides it)")
+        self.n_layers, self.max_seq, self.n_kv_heads = int(n_layers), int(max_seq), int(n_kv_heads)
+        self.head_dim, self.bits, self.group, self.seq_len = int(head_dim), bits, group, 0
+        device = default_device() if device is None else device
+        codes = (n_layers, n_kv_heads, max_seq, head_dim * bits // 8)
+        scales = (n_layers, n_kv_heads, max_seq, head_dim // group, 1)
+        code_dtype = torch.int8 if bits == 8 else torch.uint8
+        self.k, self.v = (torch.zeros(codes, dtype=code_dtype, device=device) for _ in "kv")
+        self.k_scale, self.v_scale = (torch.zeros(scales, dtype=dtype, device=device) for _ in "kv")
+
+    @classmethod
+    def for_model(cls, config, max_seq: int, *, bits=8, group=None, device=None, dtype=None):
+        return cls(config.num_hidden_layers, max_seq, kv_heads(config), head_dim(config),
+                   bits=bits, group=group, device=device, dtype=dtype or torch.bfloat16)
+
+    dtype = property(lambda self: self.k_scale.dtype)  # what is written and read
+    device = property(lambda self: self.k.device)
+    nbytes = property(lambda self: sum(t.numel() * t.element_size()
+                                       for t in (self.k, self.v, self.k_scale, self.v_scale)))
+    # K and V of a token, all layers, scales included: 2 L Hkv (D bits/8 + D/group scale bytes)
+    bytes_per_token = property(lambda self: self.nbytes // self.max_seq)
+
+    def reset(self) -> None:
+        self.seq_len = 0  # nothing freed or zeroed: slots past seq_len are never read
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize ``[n, Hkv, D]`` into slots ``start..start+n``; a refused write writes none."""
+        check_kv(self, layer, start, k, v)
+        end = start + k.shape[0]
+        if end > self.max_seq:
+            raise ValueError(f"KV overflow: writing slots {start}..{end} into "
+                             f"max_seq={self.max_seq}")
+        for x, code, scale in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
+            code[layer, :, start:end], scale[layer, :, start:end] = quantize(
+                x.transpose(0, 1), self.bits, self.group)
+
+    def view(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[1, Hkv, seq, D]`` in the compute dtype: a dequantized copy of one layer's slots."""
+        if not 0 <= seq <= self.max_seq:
+            raise ValueError(f"view of {seq} slots from a cache of max_seq={self.max_seq}")
+        return tuple(dequantize(c[layer, :, :seq], s[layer, :, :seq], self.group).unsqueeze(0)
+                     for c, s in ((self.k, self.k_scale), (self.v, self.v_scale)))
+
+    def __repr__(self) -> str:
+        return (f"QuantCache(int{self.bits}, group={self.group}, layers={self.n_layers}, "
+                f"max_seq={self.max_seq}, {self.nbytes / MIB:.1f} MiB, "
+                f"{self.bytes_per_token} B/token, seq_len={self.seq_len})")
+
+
+def kv_format_bytes(config, kv: str = "bf16") -> int:
+    """KV bytes per token of ``config`` stored as ``kv``: what a :class:`QuantCache` holds."""
+    return 2 * config.num_hidden_layers * kv_heads(config) * FORMATS[kv](head_dim(config))
+
+
+@dataclass(frozen=True, repr=False)
+class WindowBudget(Budget):
+    """Each sequence holds at most ``window`` tokens of KV: once they fit, any context does, up to
+    the model's ``positions``; past them it is the model that stops, not the memory."""
+
+    window: int = 1
+    positions: int = 1
+
+    @property
+    def max_context(self) -> int:
+        return self.positions if super().max_context >= self.window else 0
+
+    def breakdown(self, context: int) -> dict[str, int]:
+        return super().breakdown(min(context, self.window))
+
+
+def plan_kv(config, dtype: torch.dtype, budget_bytes: int, kv: str = "bf16",
+            window: int | None = None, batch: int = 1) -> Budget:
+    """:func:`~kvlib.budget.plan_budget` with the KV stored as ``kv`` (a key of :data:`FORMATS`)
+    and, given a ``window``, each sequence's KV capped at ``window`` tokens."""
+    plan = plan_budget(config, dtype, budget_bytes, batch=batch)
+    plan = replace(plan, kv_per_token=batch * kv_format_bytes(config, kv))
+    if window is None:
+        return plan
+    return WindowBudget(**vars(plan), window=window, positions=config.max_position_embeddings)

@@ -1,0 +1,106 @@
+"""A sliding-window cache: a ring of slots, so memory stops growing at the window.
+
+Under sliding-window attention a query at ``p`` sees the keys at ``p - W < q <= p``, itself
+included (``transformers``: ``kv_idx > q_idx - sliding_window``), so position ``p`` may take the
+slot of ``p - W``: ``slot = p % W``. Only the slot index wraps: RoPE rotated each key by its
+absolute position before it was written, and attention, a sum over keys, ignores the slots' order.
+
+A decode step writes its slot and reads every held slot, all in its window: no mask, nothing
+allocated. A chunk of ``n > 1`` tokens would overwrite keys its first queries need, so it first
+copies the held slots in position order with the chunk after them; the layer's next ``view`` hands
+out that copy once, and :meth:`RingCache.visible` says which of its keys each query sees. ``sinks``
+keeps the first positions beside the ring (StreamingLLM: full-attention models lean on them).
+"""
+
+import torch
+
+from .cache import check_kv
+from .config import MIB, head_dim, kv_heads
+from .env import default_device
+
+__all__ = ["RingCache"]
+
+
+class RingCache:
+    """``[L, Hkv, sinks + window, D]`` whatever the length; positions are written in order."""
+
+    max_seq = None  # positions never run out (the model's may); memory does not grow
+
+    def __init__(self, n_layers: int, window: int, n_kv_heads: int, head_dim: int, *,
+                 sinks: int = 0, device=None, dtype: torch.dtype = torch.bfloat16) -> None:
+        if min(n_layers, window, n_kv_heads, head_dim) < 1 or sinks < 0:
+            raise ValueError(f"bad shape: layers={n_layers} window={window} kv_heads={n_kv_heads} "
+                             f"head_dim={head_dim} sinks={sinks}")
+        self.n_layers, self.window, self.sinks = int(n_layers), int(window), int(sinks)
+        self.n_kv_heads, self.head_dim = int(n_kv_heads), int(head_dim)
+        shape = (self.n_layers, self.n_kv_heads, self.sinks + self.window, self.head_dim)
+        device = default_device() if device is None else device
+        self.k, self.v = (torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
+        self.reset()
+
+    @classmethod
+    def for_model(cls, config, window=None, *, sinks=0, device=None, dtype=None):
+        """A ring of the model's own ``sliding_window``, or of ``window``."""
+        if not (window := window or getattr(config, "sliding_window", None)):
+            raise ValueError(f"{config.model_type!r} has no sliding_window: pass window=")
+        return cls(config.num_hidden_layers, window, kv_heads(config), head_dim(config),
+                   sinks=sinks, device=device, dtype=dtype or torch.bfloat16)
+
+    dtype = property(lambda self: self.k.dtype)
+    device = property(lambda self: self.k.device)
+    nbytes = property(lambda self: 2 * self.k.numel() * self.k.element_size())
+    bytes_per_token = property(lambda self: self.nbytes // (self.sinks + self.window))  # held
+
+    def reset(self) -> None:
+        self.seq_len, self._ends, self._chunk = 0, [0] * self.n_layers, {}
+
+    def _held(self, end: int) -> list[int]:
+        """The positions held once ``0..end`` are written, in order: the sinks, then the window."""
+        recent = range(max(self.sinks, end - self.window), end)
+        return list(range(min(self.sinks, end))) + list(recent)
+
+    def _slot(self, p: int) -> int:
+        return p if p < self.sinks else self.sinks + (p - self.sinks) % self.window
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``[n, Hkv, D]`` for positions ``start..start+n``, which must follow the last written."""
+        check_kv(self, layer, start, k, v)
+        if start != self._ends[layer]:
+            raise ValueError(f"RingCache writes positions in order: layer {layer} holds "
+                             f"0..{self._ends[layer]}, a write at {start} would leave stale slots; "
+                             f"reset() for a new request")
+        self._ends[layer] = end = start + k.shape[0]
+        self._chunk.pop(layer, None)  # a copy no attention read is stale now
+        if k.shape[0] == 1:  # a decode step: one slot, written in place
+            slot = self._slot(start)
+            self.k[layer][:, slot], self.v[layer][:, slot] = k[0], v[0]
+            return
+        # a chunk: its queries need slots it overwrites, so copy them first, the chunk after them
+        k, v, old = k.transpose(0, 1), v.transpose(0, 1), [self._slot(p) for p in self._held(start)]
+        self._chunk[layer] = tuple(torch.cat([s[layer][:, old], x], 1).unsqueeze(0)
+                                   for s, x in ((self.k, k), (self.v, v)))  # [1, Hkv, held + n, D]
+        new = [p for p in self._held(end) if p >= start]  # the chunk's positions held after it
+        slots, rows = [self._slot(p) for p in new], [p - start for p in new]
+        self.k[layer][:, slots], self.v[layer][:, slots] = k[:, rows], v[:, rows]
+
+    def view(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a query at ``seq - 1`` reads, ``[1, Hkv, S, D]``: a chunk's copy (once), else
+        every held slot, in slot order, as views."""
+        if not 0 <= layer < self.n_layers or seq != self._ends[layer]:
+            raise ValueError(f"a ring holds the latest positions only: layer {layer} of "
+                             f"{self.n_layers} holds up to {self._ends[layer % self.n_layers]}, "
+                             f"not a view of {seq}")
+        if layer in self._chunk:
+            return self._chunk.pop(layer)
+        held = min(seq, self.sinks + self.window)
+        return self.k[layer][:, :held].unsqueeze(0), self.v[layer][:, :held].unsqueeze(0)
+
+    def visible(self, start: int, n: int) -> torch.Tensor:
+        """``[n, S]`` bool: which keys of a chunk's view each of its ``n`` queries may see."""
+        keys = torch.tensor(self._held(start) + list(range(start, start + n)), device=self.device)
+        queries = torch.arange(start, start + n, device=self.device).unsqueeze(1)  # [n, 1]
+        return (keys <= queries) & ((keys < self.sinks) | (keys > queries - self.window))
+
+    def __repr__(self) -> str:
+        return (f"RingCache(window={self.window}, sinks={self.sinks}, layers={self.n_layers}, "
+                f"{self.dtype}, {self.nbytes / MIB:.1f} MiB, seq_len={self.seq_len})")

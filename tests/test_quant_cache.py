@@ -1,0 +1,213 @@
+"""The quantized cache: exact bytes, an error bounded by half a step, and exactly the tokens of
+attention over the same rounded K/V; on SmolLM2's real weights, how close int8 stays to fp32.
+"""
+
+import functools
+import re
+
+import pytest
+import torch
+from helpers import FAMILIES, SHARED, tiny_model
+
+from kvlib import AllocMeter, KVCache, generate
+from kvlib.budget import plan_budget
+from kvlib.config import GIB, kv_bytes_per_token, load_config
+from kvlib.quant_cache import (
+    QuantCache,
+    WindowBudget,
+    dequantize,
+    kv_format_bytes,
+    plan_kv,
+    quantize,
+)
+
+FOLDED = dict(rtol=1e-4, atol=1e-4)  # two SDPA calls over equal K/V, summed in another order
+SCHEMES = [(8, 16), (8, 4), (4, 16), (4, 4)]  # (bits, group) on head_dim 16
+
+
+def keys_like(n=64, D=16, dtype=torch.float32, seed=0):
+    """``[2, n, D]`` with a few large channels and one all-zero row, as real keys have."""
+    x = torch.randn(2, n, D, generator=torch.Generator().manual_seed(seed))
+    x[..., 3] *= 20  # an outlier channel
+    x[0, 5] = 0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("bits, group", SCHEMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_error_is_at_most_half_a_step(bits, group, dtype):
+    x = keys_like(dtype=dtype)
+    code, scale = quantize(x, bits, group)
+    assert code.dtype == (torch.int8 if bits == 8 else torch.uint8)
+    assert code.shape == (2, 64, 16 * bits // 8) and scale.shape == (2, 64, 16 // group, 1)
+    assert scale.dtype == dtype
+    y = dequantize(code, scale, group)
+    assert y.shape == x.shape and y.dtype == dtype and not y.isnan().any()
+    step = scale.float().expand(-1, -1, -1, group).flatten(-2)  # [2, n, D]: each element's step
+    # half a step of rounding, plus the dtype's own rounding of the product (exact in fp32)
+    slack = 0 if dtype == torch.float32 else y.float().abs() * 2**-8
+    assert ((x.float() - y.float()).abs() <= step / 2 * (1 + 1e-6) + slack).all()
+    assert torch.equal(y[0, 5], torch.zeros(16, dtype=dtype))  # an all-zero row comes back as zeros
+    if bits == 8:
+        assert code.abs().max() == 127  # the largest element of each group uses the full range
+    else:
+        assert ((code & 15) >= 1).all() and ((code >> 4) >= 1).all()  # nibbles 1..15: codes -7..7
+
+
+def test_int4_puts_even_channels_in_the_low_nibble():
+    x = torch.tensor([[-7.0, 7.0, 1.0, 0.0]])  # group 4: scale 1, codes = x
+    code, scale = quantize(x, 4, 4)
+    assert scale.item() == 1
+    assert code.tolist() == [[(-7 + 8) | (7 + 8) << 4, (1 + 8) | (0 + 8) << 4]]
+
+
+@pytest.mark.parametrize("bits, group, dtype, want", [
+    (8, None, torch.float32, 2 * 30 * 3 * (64 + 4)),  # int8 codes + one fp32 scale per token and head
+    (8, None, torch.bfloat16, 2 * 30 * 3 * (64 + 2)),
+    (4, None, torch.bfloat16, 2 * 30 * 3 * (32 + 2 * 2)),  # two int4 a byte, a scale per 32 channels
+    (4, 16, torch.float32, 2 * 30 * 3 * (32 + 4 * 4)),
+])
+def test_bytes_per_token_are_exact_scales_included(bits, group, dtype, want):
+    config = load_config("smollm2-135m")
+    cache = QuantCache.for_model(config, 100, bits=bits, group=group, device="meta", dtype=dtype)
+    assert cache.bytes_per_token == want
+    assert cache.nbytes == 100 * want  # every tensor it holds, counted
+    if dtype == torch.bfloat16 and group is None:  # what the budget prices for a bf16 card
+        assert kv_format_bytes(config, f"int{bits}") == want
+
+
+def test_formats_the_budget_prices():
+    config = load_config("qwen3-4b")
+    bf16 = kv_bytes_per_token(config, torch.bfloat16)
+    assert kv_format_bytes(config, "bf16") == bf16 == 147456
+    assert kv_format_bytes(config, "fp8") == bf16 // 2  # one scale per tensor: nothing per token
+    assert kv_format_bytes(config, "int8") == 2 * 36 * 8 * (128 + 2)
+    assert kv_format_bytes(config, "int4") == 2 * 36 * 8 * (64 + 4 * 2)
+
+
+def test_plan_kv_moves_only_the_kv_term():
+    config = load_config("qwen3-4b")
+    base = plan_budget(config, torch.bfloat16, 12 * GIB)
+    assert plan_kv(config, torch.bfloat16, 12 * GIB) == base
+    room = base.budget - base.weights - base.workspace
+    contexts = {kv: plan_kv(config, torch.bfloat16, 12 * GIB, kv).max_context
+                for kv in ("bf16", "fp8", "int8", "int4")}
+    assert contexts == {kv: room // kv_format_bytes(config, kv) for kv in contexts}
+    assert contexts["bf16"] < contexts["int8"] < contexts["fp8"] < contexts["int4"]
+    two = plan_kv(config, torch.bfloat16, 12 * GIB, "int8", batch=2)
+    assert two.kv_per_token == 2 * kv_format_bytes(config, "int8")
+
+
+def test_a_window_caps_the_kv_and_hands_the_limit_to_the_model():
+    config = load_config("qwen3-4b")
+    plan = plan_kv(config, torch.bfloat16, 12 * GIB, "bf16", window=4096)
+    assert isinstance(plan, WindowBudget)
+    assert plan.max_context == config.max_position_embeddings == 40960
+    assert plan.breakdown(10**6)["kv"] == plan.breakdown(4096)["kv"] == 4096 * 147456
+    assert plan.breakdown(100)["kv"] == 100 * 147456
+    too_big = plan_kv(config, torch.bfloat16, 12 * GIB, "bf16", window=10**6)
+    assert too_big.max_context == 0
+    assert "max_context=40,960" in repr(plan)
+
+
+def test_the_cache_holds_codes_and_scales_and_a_view_dequantizes_one_layer():
+    H, D, S = 2, 16, 32
+    cache = QuantCache(3, S, H, D, device="cpu", dtype=torch.float32)
+    assert {t.dtype for t in (cache.k, cache.v)} == {torch.int8}
+    x = keys_like(n=20).transpose(0, 1)  # [n, Hkv, D]
+    cache.write(1, 0, x, -x)
+    with AllocMeter() as meter:
+        k, v = cache.view(1, 20)
+    # exactly one dequantized [1, Hkv, 20, D] copy each of K and V, of this layer only
+    assert meter.total == 2 * H * 20 * D * 4 and meter.count == 2
+    assert k.shape == (1, H, 20, D) and k.dtype == torch.float32
+    want = dequantize(*quantize(x.transpose(0, 1), 8, D), D)
+    assert torch.equal(k[0], want) and torch.equal(v[0], -want)
+
+
+def test_refusals_name_the_numbers():
+    cache = QuantCache(2, 8, 2, 16, device="cpu", dtype=torch.float32)
+    x = torch.zeros(5, 2, 16)
+    with pytest.raises(ValueError, match=re.escape("KV overflow: writing slots 5..10 into max_seq=8")):
+        cache.write(0, 5, x, x)
+    with pytest.raises(ValueError, match="is torch.bfloat16 on cpu, cache is torch.float32 on cpu"):
+        cache.write(0, 0, x.bfloat16(), x.bfloat16())
+    with pytest.raises(ValueError, match=re.escape("view of 9 slots from a cache of max_seq=8")):
+        cache.view(0, 9)
+    with pytest.raises(ValueError, match=re.escape("bits=3 (8 or 4)")):
+        QuantCache(2, 8, 2, 16, bits=3)
+    with pytest.raises(ValueError, match=re.escape("head_dim=16 group=5 (divides it)")):
+        QuantCache(2, 8, 2, 16, group=5)
+
+
+class RoundedKV(KVCache):
+    """A full-precision cache of the values a QuantCache would hand back: the reference."""
+
+    def __init__(self, *args, bits, **kw):
+        super().__init__(*args, **kw)
+        self.bits, self.group = bits, self.head_dim if bits == 8 else min(32, self.head_dim)
+
+    def write(self, layer, start, k, v):
+        rounded = [dequantize(*quantize(x, self.bits, self.group), self.group) for x in (k, v)]
+        super().write(layer, start, *rounded)
+
+
+@functools.cache
+def model_of(family):
+    return tiny_model(family)
+
+
+def prompt(n=12, seed=1):
+    return torch.randint(0, SHARED["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tokens_are_those_of_attention_over_the_rounded_kv(family, bits):
+    """Quantizing changes the numbers; it must change nothing else (slots, order, scales)."""
+    model = model_of(family)
+    config, n_new = model.config, 40
+    quant = QuantCache.for_model(config, 12 + n_new, bits=bits, device="cpu", dtype=torch.float32)
+    rounded = RoundedKV(config.num_hidden_layers, 12 + n_new, SHARED["num_key_value_heads"],
+                        SHARED["head_dim"], device="cpu", dtype=torch.float32, bits=bits)
+    ours = generate(model, prompt(), n_new, cache=quant, eos_token_id=None, return_logits=True)
+    want = generate(model, prompt(), n_new, cache=rounded, eos_token_id=None, return_logits=True)
+    assert ours.tokens == want.tokens
+    for a, b in zip(ours.logits, want.logits):
+        torch.testing.assert_close(a, b, **FOLDED)
+
+
+def test_continuing_and_chunking_change_nothing():
+    """Per-token scales are final when written: a continued or chunked run equals one run."""
+    model = model_of("qwen3")
+    cache = QuantCache.for_model(model.config, 64, device="cpu", dtype=torch.float32)
+    first = generate(model, prompt(10), 8, cache=cache, eos_token_id=None)
+    more = torch.tensor([first.tokens[-1:] + [5, 77, 300]])
+    second = generate(model, more, 8, cache=cache, eos_token_id=None)
+    everything = torch.cat([prompt(10), torch.tensor([first.tokens + [5, 77, 300]])], dim=1)
+    fresh = QuantCache.for_model(model.config, 64, device="cpu", dtype=torch.float32)
+    single = generate(model, everything, 8, cache=fresh, eos_token_id=None, prefill_chunk=7)
+    assert second.tokens == single.tokens
+    for layer in range(cache.n_layers):  # a projection of 7 rows or 1 sums in another order
+        for got, want in zip(cache.view(layer, cache.seq_len), fresh.view(layer, cache.seq_len)):
+            torch.testing.assert_close(got, want, **FOLDED)
+
+
+CHAT = [{"role": "user", "content": "Write one sentence about the sea."}]
+
+
+def test_smollm2_int8_stays_close_to_the_full_precision_cache(smollm2):
+    """Real weights: int8 keeps the greedy answer for its first 16 tokens with every logit within
+    1.0 of the fp32 cache's; int4, per token, is already further off at its first token."""
+    model, tok = smollm2
+    ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)["input_ids"]
+    ref = generate(model, ids, 16, eos_token_id=None, return_logits=True)
+    runs = {bits: generate(model, ids, 16, eos_token_id=None, return_logits=True,
+                           cache=QuantCache.for_model(model.config, ids.shape[1] + 16, bits=bits,
+                                                      device="cpu", dtype=torch.float32))
+            for bits in (8, 4)}
+    assert runs[8].tokens == ref.tokens, tok.decode(runs[8].tokens)
+    err = max((a - b).abs().max().item() for a, b in zip(runs[8].logits, ref.logits))
+    assert 0 < err < 1.0
+    assert (runs[4].logits[0] - ref.logits[0]).abs().max().item() > err
