@@ -18,26 +18,51 @@ def over_plus_one(config, dtype, limit):  # one slot late
     return nb02.first_slot_over_solution(config, dtype, limit) + 1
 
 
-def cumulative_linear(config, dtype, prompt, steps):  # every step priced at the prompt length
-    return steps * nb02.step_bytes_solution(config, dtype, prompt)
+class GrowsByCat(nb02.DoublingCacheSolution):  # a cat cache: allocates at every step
+    def write(self, layer, start, k, v):
+        for store, new in ((self.k, k), (self.v, v)):
+            store[layer] = nb02.torch.cat([store[layer][:, :, :start], new.transpose(0, 1)[None]], 2)
+        self.held[layer] = start + k.shape[0]
 
 
-def cumulative_from_zero(config, dtype, prompt, steps):  # forgets the prompt already cached
-    return nb02.cumulative_bytes_solution(config, dtype, 0, steps)
+class GrowsBy16(nb02.DoublingCacheSolution):  # a fixed step: still linear in the length
+    def write(self, layer, start, k, v):
+        end = start + k.shape[0]
+        for store, new in ((self.k, k), (self.v, v)):
+            old = store[layer]
+            if end > old.shape[2]:
+                store[layer] = old.new_zeros(1, old.shape[1], end + 16, old.shape[3])
+                store[layer][:, :, :start] = old[:, :, :start]
+            store[layer][0, :, start:end] = new.transpose(0, 1)
+        self.held[layer] = end
+
+
+class ForgetsToCopy(nb02.DoublingCacheSolution):  # grows into fresh zeros, loses the past
+    def write(self, layer, start, k, v):
+        end = start + k.shape[0]
+        for store, new in ((self.k, k), (self.v, v)):
+            old = store[layer]
+            if end > old.shape[2]:
+                store[layer] = old.new_zeros(1, old.shape[1], max(end, 2 * old.shape[2]), old.shape[3])
+            store[layer][0, :, start:end] = new.transpose(0, 1)
+        self.held[layer] = end
+
+
+class ViewsTheCapacity(nb02.DoublingCacheSolution):  # hands out the unwritten slots too
+    def view(self, layer, seq):
+        return self.k[layer], self.v[layer]
+
+
+class ViewsACopy(nb02.DoublingCacheSolution):
+    def view(self, layer, seq):
+        return self.k[layer][:, :, :seq].clone(), self.v[layer][:, :, :seq].clone()
 
 
 CASES = [
     (nb02.check_first_slot_over, nb02.first_slot_over_solution,
      [over_or_equal, over_k_only, over_plus_one]),
-    (nb02.check_cumulative_bytes, nb02.cumulative_bytes_solution,
-     [cumulative_linear, cumulative_from_zero]),
+    (nb02.check_doubling_cache, nb02.DoublingCacheSolution,
+     [GrowsByCat, GrowsBy16, ForgetsToCopy, ViewsTheCapacity, ViewsACopy]),
 ]
 
-test_check = check_tests(nb02, CASES)
-
-
-def test_closed_form_is_the_sum_of_steps():
-    config = nb02.load_config("smollm2-135m")
-    p, n = 37, 11
-    total = sum(nb02.step_bytes_solution(config, nb02.torch.float32, p + i) for i in range(n))
-    assert nb02.cumulative_bytes_solution(config, nb02.torch.float32, p, n) == total
+test_check = check_tests(nb02, CASES, notes={nb02.check_doubling_cache: "grew"})

@@ -41,4 +41,35 @@ CASES = [
     (nb03.check_view, nb03.view_solution, [view_copy, view_wrong_layer, view_seq_axis]),
 ]
 
+
+
+class RingWithoutWrap(nb03.RingCacheSolution):  # stops at the last slot: keeps overwriting it
+    def write(self, layer, pos, k, v):
+        self.k[layer, :, min(pos, self.window - 1)] = k[0]
+        self.v[layer, :, min(pos, self.window - 1)] = v[0]
+
+
+class RingViewsEverySlot(nb03.RingCacheSolution):  # reads the zeros of slots not written yet
+    def view(self, layer, seq):
+        return self.k[layer].unsqueeze(0), self.v[layer].unsqueeze(0)
+
+
+class RingInTimeOrder(nb03.RingCacheSolution):  # right values, but torch.roll copies
+    def view(self, layer, seq):
+        keys, values = super().view(layer, seq)
+        shift = -(seq % self.window) if seq > self.window else 0
+        return keys.roll(shift, 2), values.roll(shift, 2)
+
+
+class RingByCat(nb03.RingCacheSolution):  # a new store at every write
+    def write(self, layer, pos, k, v):
+        slot = pos % self.window
+        for store, new in ((self.k, k), (self.v, v)):
+            store[layer] = torch.cat([store[layer][:, :slot], new.transpose(0, 1),
+                                      store[layer][:, slot + 1:]], 1)
+
+
+CASES.append((nb03.check_ring_cache, nb03.RingCacheSolution,
+              [RingWithoutWrap, RingViewsEverySlot, RingInTimeOrder, RingByCat]))
+
 test_check = check_tests(nb03, CASES)

@@ -7,28 +7,52 @@ from kvlib.config import kv_bytes_per_token
 
 
 def uncapped(max_seq, bucket, t):  # forgets that the last span stops at max_seq
-    return -(-t // bucket) * bucket, -(-max_seq // bucket)
+    return (t // bucket + 1) * bucket, -(-max_seq // bucket)
 
 
 def floor_graphs(max_seq, bucket, t):  # max_seq // bucket loses the last, partial bucket
-    return min(max_seq, -(-t // bucket) * bucket), max_seq // bucket
+    return min(max_seq, (t // bucket + 1) * bucket), max_seq // bucket
 
 
-def off_by_one(max_seq, bucket, t):  # rounds the position, not the count: t=256 reads 512
-    return min(max_seq, (t // bucket + 1) * bucket), -(-max_seq // bucket)
+def rounds_t(max_seq, bucket, t):  # rounds t up, not t + 1: reads 0 slots at t = 0
+    return min(max_seq, -(-t // bucket) * bucket), -(-max_seq // bucket)
 
 
-def k_only(config, dtype, max_seq, t):  # counts K but not V
-    return (max_seq - t) * kv_bytes_per_token(config, dtype) // 2
+def counts_new_slot_twice(max_seq, bucket, t):  # rounds t + 2 up: t = 255 reads 512
+    return min(max_seq, ((t + 1) // bucket + 1) * bucket), -(-max_seq // bucket)
 
 
-def one_too_many(config, dtype, max_seq, t):  # max_seq - t + 1 slots
-    return (max_seq - t + 1) * kv_bytes_per_token(config, dtype)
+def _spans(max_seq, bucket, t0, steps):
+    return [min(max_seq, (t // bucket + 1) * bucket) for t in range(t0, t0 + steps)]
+
+
+def every_graph(config, dtype, max_seq, bucket, t0, steps):  # every bucket, not the trace's
+    masked = sum(s - t - 1 for t, s in zip(range(t0, t0 + steps), _spans(max_seq, bucket, t0, steps)))
+    return -(-max_seq // bucket), masked * kv_bytes_per_token(config, dtype)
+
+
+def new_slot_masked(config, dtype, max_seq, bucket, t0, steps):  # span - t: the new slot as waste
+    spans = _spans(max_seq, bucket, t0, steps)
+    masked = sum(s - t for t, s in zip(range(t0, t0 + steps), spans))
+    return len(set(spans)), masked * kv_bytes_per_token(config, dtype)
+
+
+def k_only(config, dtype, max_seq, bucket, t0, steps):  # counts K but not V
+    graphs, masked = nb05.trace_waste_solution(config, dtype, max_seq, bucket, t0, steps)
+    return graphs, masked // 2
+
+
+def uncapped_trace(config, dtype, max_seq, bucket, t0, steps):  # the last span past max_seq
+    spans = [(t // bucket + 1) * bucket for t in range(t0, t0 + steps)]
+    masked = sum(s - t - 1 for t, s in zip(range(t0, t0 + steps), spans))
+    return len(set(spans)), masked * kv_bytes_per_token(config, dtype)
 
 
 CASES = [
-    (nb05.check_bucket_plan, nb05.bucket_plan_solution, [uncapped, floor_graphs, off_by_one]),
-    (nb05.check_mask_extra_bytes, nb05.mask_extra_bytes_solution, [k_only, one_too_many]),
+    (nb05.check_bucket_plan, nb05.bucket_plan_solution,
+     [uncapped, floor_graphs, rounds_t, counts_new_slot_twice]),
+    (nb05.check_trace_waste, nb05.trace_waste_solution,
+     [every_graph, new_slot_masked, k_only, uncapped_trace]),
 ]
 
 test_check = check_tests(nb05, CASES)
@@ -36,4 +60,6 @@ test_check = check_tests(nb05, CASES)
 
 def test_not_a_pair(capsys):
     nb05.check_bucket_plan(lambda max_seq, bucket, t: 256)
-    assert "pair" in capsys.readouterr().out
+    nb05.check_trace_waste(lambda config, dtype, max_seq, bucket, t0, steps: 3)
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and all("pair" in line for line in out), out

@@ -6,34 +6,37 @@ machine.
 
 from __future__ import annotations
 
-from kvlib.config import head_dim, load_config
+import torch
+
+from kvlib.bandwidth import decode_bytes
 from kvlib.budget import param_count
+from kvlib.config import head_dim, load_config
 
 from .checking import attempt, check, expect, hint
 
 # --- 1. multiply-adds of one no-cache step -----------------------------------------------
 
 
-def step_macs_solution(config, t: int) -> int:
-    """Multiply-adds of one forward over t tokens (no cache), logits for all t positions.
+def step_macs_solution(config, S: int) -> int:
+    """Multiply-adds of one forward over S tokens (no cache), logits for all S positions.
 
     Per token and layer: q and o projections (hidden x Hq*D each), k and v (hidden x
     Hkv*D each), the gated MLP (three hidden x intermediate matrices). Attention:
-    every query head scores t keys and mixes t values, D each, for t queries (the full
-    t x t, as a plain kernel computes it). The head: hidden x vocab per position.
+    every query head scores S keys and mixes S values, D each, for S queries (the full
+    S x S, as a plain kernel computes it). The head: hidden x vocab per position.
     Norms, RoPE, softmax, biases and the embedding lookup are left out.
     """
     h, L, D = config.hidden_size, config.num_hidden_layers, head_dim(config)
     hq, hkv = config.num_attention_heads, config.num_key_value_heads
     per_token_layer = 2 * h * hq * D + 2 * h * hkv * D + 3 * h * config.intermediate_size
-    attention = 2 * L * hq * D * t * t
-    head = t * h * config.vocab_size
-    return t * L * per_token_layer + attention + head
+    attention = 2 * L * hq * D * S * S
+    head = S * h * config.vocab_size
+    return S * L * per_token_layer + attention + head
 
 
 @check
 def check_step_macs(fn) -> str:
-    """``fn(config, t)`` -> multiply-adds of one no-cache forward at length t.
+    """``fn(config, S)`` -> multiply-adds of one no-cache forward over S tokens.
 
     When right, a second line compares the count with the notebook's formula: the question the
     exercise asks. Arithmetic on the shipped configs only, so it is the same on every machine.
@@ -41,45 +44,45 @@ def check_step_macs(fn) -> str:
     for name in ("smollm2-135m", "qwen3-4b"):
         config = load_config(name)
         L, D = config.num_hidden_layers, head_dim(config)
-        for t in (1, 100, 4096):
-            got = attempt(fn, config, t)
-            want = step_macs_solution(config, t)
-            attention = 2 * L * config.num_attention_heads * D * t * t
-            gqa_attention = 2 * L * config.num_key_value_heads * D * t * t
+        for S in (1, 100, 4096):
+            got = attempt(fn, config, S)
+            want = step_macs_solution(config, S)
+            attention = 2 * L * config.num_attention_heads * D * S * S
+            gqa_attention = 2 * L * config.num_key_value_heads * D * S * S
             expect(got == want,
-                   f"{name}, t={t}: you counted {got:,} multiply-adds, expected {want:,} "
+                   f"{name}, S={S}: you counted {got:,} multiply-adds, expected {want:,} "
                    f"({got / want:.3f}x).",
                    hint(got, {
                        2 * want: "That is FLOPs: count one multiply-add once, not twice.",
-                       want - attention: "Attention is missing: Q.K^T and P.V, a t x t matrix "
+                       want - attention: "Attention is missing: Q.K^T and P.V, an S x S matrix "
                                          "per query head and layer.",
                        want - attention // 2: "Attention has two products per head: Q.K^T and "
                                               "then P.V.",
                        want - attention + gqa_attention: "Scores are computed per *query* head "
                                                          "(GQA shares K/V, not the work).",
-                       want - t * config.hidden_size * config.vocab_size:
+                       want - S * config.hidden_size * config.vocab_size:
                            "The output head (hidden x vocab, for every position) is missing.",
                    }))
     ratios = ", ".join(
         f"{name} {2 * fn(load_config(name), 1024) / step_flops(load_config(name), 1024):.4f}"
         for name in ("smollm2-135m", "qwen3-4b")
     )
-    return (f"twice your count / (2 x params x t + attention) at t=1024: {ratios} "
+    return (f"twice your count / (2 x params x S + attention) at S=1024: {ratios} "
             "(params also hold norms, which do no matrix products)")
 
 
 # --- 2. total FLOPs of n tokens after a prompt of p, in closed form ----------------------
 
 
-def step_flops(config, t: int) -> int:
-    """The notebook's prediction: 2 x params x t, plus attention's 4 x L x Hq x D x t^2."""
+def step_flops(config, S: int) -> int:
+    """The notebook's prediction: 2 x params x S, plus attention's 4 x L x Hq x D x S^2."""
     a = 2 * param_count(config)
     b = 4 * config.num_hidden_layers * config.num_attention_heads * head_dim(config)
-    return a * t + b * t * t
+    return a * S + b * S * S
 
 
 def total_flops_solution(config, p: int, n: int) -> int:
-    """The n forwards run over p, p+1, ..., p+n-1 tokens: sum a*t + b*t^2 in closed form."""
+    """The n forwards run over p, p+1, ..., p+n-1 tokens: sum a*S + b*S^2 in closed form."""
     a = 2 * param_count(config)
     b = 4 * config.num_hidden_layers * config.num_attention_heads * head_dim(config)
 
@@ -101,10 +104,69 @@ def check_total_flops(fn) -> None:
         config = load_config(name)
         for p, n in CASES:
             got = attempt(fn, config, p, n)
-            want = sum(step_flops(config, t) for t in range(p, p + n))  # the plain sum
-            shifted = sum(step_flops(config, t) for t in range(p + 1, p + n + 1))
+            want = sum(step_flops(config, S) for S in range(p, p + n))  # the plain sum
+            shifted = sum(step_flops(config, S) for S in range(p + 1, p + n + 1))
             expect(abs(got - want) <= 1e-9 * want,
                    f"{name}, p={p}, n={n}: you said {got:.6g} FLOPs, the sum of step_flops over "
-                   f"t = p..p+n-1 is {want:.6g} ({got / want:.4f}x).",
+                   f"S = p..p+n-1 is {want:.6g} ({got / want:.4f}x).",
                    hint(got, {shifted: "Off by one: the first forward runs over the p prompt "
                                        "tokens, the last over p+n-1."}))
+
+
+# --- 3. the smallest prefill chunk that is compute-bound on a card ----------------------
+
+
+def intensity(config, dtype: torch.dtype, n: int, S: int) -> float:
+    """The notebook's arithmetic intensity: FLOPs of n new tokens over S slots per byte moved.
+
+    FLOPs: the weights' 2 x params x n, plus attention's 4 x L x Hq x D x n x S. Bytes: every weight
+    once and the K/V of the S slots (``decode_bytes``), whatever n is.
+    """
+    L, H, D = config.num_hidden_layers, config.num_attention_heads, head_dim(config)
+    flops = 2 * param_count(config) * n + 4 * L * H * D * n * S
+    return flops / decode_bytes(config, dtype, S)
+
+
+def min_chunk_solution(config, dtype: torch.dtype, peak_flops: float, bandwidth: float) -> int:
+    """Smallest n with ``intensity(config, dtype, n, n) >= peak_flops / bandwidth``.
+
+    The intensity grows with n (more FLOPs for the same weight bytes), so double until the ridge is
+    reached, then bisect.
+    """
+    ridge = peak_flops / bandwidth
+    reaches = lambda n: intensity(config, dtype, n, n) >= ridge
+    high = 1
+    while not reaches(high):
+        high *= 2
+    low = high // 2  # does not reach (or is 0)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if reaches(mid) else (mid, high)
+    return high
+
+
+CARDS = [  # imaginary cards: (peak FLOP/s, bandwidth bytes/s)
+    (20e12, 300e9), (100e12, 1e12), (400e12, 2e12), (200e9, 20e9)]
+CHUNK_MODELS = [("qwen3-4b", torch.bfloat16), ("smollm2-135m", torch.float32),
+                ("smollm2-135m", torch.bfloat16)]
+
+
+@check
+def check_min_chunk(fn) -> None:
+    """``fn(config, dtype, peak_flops, bandwidth)`` -> the smallest compute-bound prefill chunk."""
+    for name, dtype in CHUNK_MODELS:
+        config = load_config(name)
+        for peak, bandwidth in CARDS:
+            got = int(attempt(fn, config, dtype, peak, bandwidth))
+            want = min_chunk_solution(config, dtype, peak, bandwidth)
+            ridge = peak / bandwidth
+            weights_only = -(-ridge * dtype.itemsize // 2)  # 2n / elt >= ridge, K/V left out
+            reached = intensity(config, dtype, max(got, 1), max(got, 1))
+            expect(got == want,
+                   f"{name} in {str(dtype).removeprefix('torch.')} on a card of {peak / 1e12:g} "
+                   f"TFLOP/s and {bandwidth / 1e9:g} GB/s (ridge {ridge:.1f} FLOP/B): you said "
+                   f"n={got}, whose intensity is {reached:.2f}; the smallest n that reaches the "
+                   f"ridge is {want}.",
+                   hint(got, {want - 1: "Off by one: the chunk must reach the ridge.",
+                              weights_only: "Close: that is 2n / bytes per element; the K/V bytes "
+                                            "and the attention FLOPs count too (use intensity)."}))

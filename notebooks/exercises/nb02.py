@@ -1,11 +1,13 @@
 """Exercises of notebook 02 (the ``cat`` cache): checks and reference solutions.
 
-The answers are checked against the meter counting a real :class:`kvlib.CatCache` on the
-``meta`` device (shapes, no memory), so the checks print the same thing on every machine and
-take no time.
+The answers are checked with the meter against a real :class:`kvlib.CatCache`, on the ``meta``
+device (shapes, no memory) or on small CPU tensors, so the checks print the same thing on every
+machine and take no time.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -14,13 +16,6 @@ from kvlib.config import head_dim, load_config
 from kvlib.meter import AllocMeter
 
 from .checking import attempt, check, expect
-
-# (shipped config, dtype, prompt tokens p, decode steps n)
-CASES = [
-    ("smollm2-135m", torch.float32, 100, 50),
-    ("qwen3-4b", torch.bfloat16, 1000, 40),
-    ("llama-3.2-3b", torch.float16, 7, 13),
-]
 
 
 def _short(dtype: torch.dtype) -> str:
@@ -94,30 +89,77 @@ def check_first_slot_over(fn) -> None:
                                     f"find the smallest t")
 
 
-# --- 2. all the steps: the closed form ---------------------------------------------------
+# --- 2. a cache that grows by doubling ----------------------------------------------------
 
 
-def cumulative_bytes_solution(config, dtype: torch.dtype, prompt: int, steps: int) -> int:
-    """Bytes allocated (and copied) by ``steps`` decode steps after a ``prompt``-token prefill.
-
-    Step ``i`` holds ``prompt + i + 1`` slots afterwards, so the total is
-    ``per_token * sum_{i=0}^{n-1} (p + i + 1) = per_token * (n*p + n*(n+1)/2)``:
-    linear in the prompt, quadratic in the number of steps.
+class DoublingCacheSolution:
+    """Per layer K and V ``[1, H, capacity, D]``, of which the first ``held[layer]`` slots are
+    valid. A write that fits goes in place; one that does not first doubles the capacity (at
+    least to fit), copying the valid slots once. Like a Python list: a copy every time the size
+    doubles, so the bytes copied over a run stay under twice the final size, not quadratic.
     """
-    element = torch.empty((), dtype=dtype).element_size()
-    kv_heads, layers = config.num_key_value_heads, config.num_hidden_layers
-    per_token = 2 * layers * kv_heads * head_dim(config) * element
-    return per_token * (steps * prompt + steps * (steps + 1) // 2)
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int) -> None:
+        empty = torch.zeros(1, n_kv_heads, 0, head_dim)  # [1, H, 0, D], fp32
+        self.k, self.v = [empty] * n_layers, [empty] * n_layers
+        self.held = [0] * n_layers
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        end = start + k.shape[0]
+        if end > self.k[layer].shape[2]:  # grow: one allocation and one copy of the valid slots
+            capacity = max(end, 2 * self.k[layer].shape[2])
+            for store in (self.k, self.v):
+                old = store[layer]
+                store[layer] = old.new_zeros(1, old.shape[1], capacity, old.shape[3])
+                store[layer][:, :, :start] = old[:, :, :start]
+        self.k[layer][0, :, start:end] = k.transpose(0, 1)  # [H, n, D], in place
+        self.v[layer][0, :, start:end] = v.transpose(0, 1)
+        self.held[layer] = end
+
+    def view(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer][:, :, :seq], self.v[layer][:, :, :seq]  # [1, H, seq, D], views
+
+
+GROW = (2, 3, 4, 5, 300)  # layers, kv_heads, head_dim, prompt tokens, one-token steps
 
 
 @check
-def check_cumulative_bytes(fn) -> None:
-    """``fn(config, dtype, prompt, steps)`` -> bytes the cat cache allocates over the steps."""
-    for name, dtype, prompt, steps in CASES:
-        config = load_config(name)
-        got = int(attempt(fn, config, dtype, prompt, steps))
-        want = sum(_metered_steps(config, dtype, prompt, steps))
-        expect(got == want,
-               f"{name} in {_short(dtype)}, prompt p={prompt}, n={steps} steps: you predicted "
-               f"{got:,} B, the meter counted {want:,} B in total. Hint: step i leaves "
-               f"p+i+1 slots, for i = 0 .. n-1; sum them and multiply by the bytes per token.")
+def check_doubling_cache(cls) -> str:
+    """``cls(n_layers, n_kv_heads, head_dim)`` with ``write`` and ``view``: the same views as a
+    ``cat`` cache, 0 B per step except when it grows, and it grows about log2(length) times."""
+    L, H, D, prompt, steps = GROW
+    g = torch.Generator().manual_seed(0)
+    cache = attempt(cls, L, H, D)
+    reference = CatCache(L, H, D, device="cpu", dtype=torch.float32)
+    writes = [(0, torch.randn(prompt, H, D, generator=g), torch.randn(prompt, H, D, generator=g))]
+    writes += [(prompt + i, torch.randn(1, H, D, generator=g), torch.randn(1, H, D, generator=g))
+               for i in range(steps)]
+    grew, total = 0, 0
+    for start, k, v in writes:
+        with AllocMeter() as meter:
+            for layer in range(L):
+                attempt(cache.write, layer, start, k, v)
+        for layer in range(L):
+            reference.write(layer, start, k, v)
+        grew, total = grew + bool(meter.total), total + meter.total
+        seq = start + k.shape[0]
+        for layer in range(L):
+            with AllocMeter() as meter:
+                got = attempt(cache.view, layer, seq)
+            want = reference.view(layer, seq)
+            where = f"after the write of slots {start}..{seq}, view(layer={layer}, seq={seq})"
+            expect(tuple(got[0].shape) == tuple(want[0].shape),
+                   f"{where}: K of shape {tuple(got[0].shape)}, want {tuple(want[0].shape)}")
+            expect(torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]),
+                   f"{where}: the values differ from a cat cache's: did the growth copy the "
+                   f"{start} slots already held?")
+            expect(not meter.total, f"{where} allocated {meter.total:,} B: hand out views")
+    final = reference.nbytes
+    most = math.ceil(math.log2((prompt + steps) / prompt)) + 2
+    expect(grew <= most, f"{grew} of the {len(writes)} writes allocated: a cache that doubles "
+                         f"from {prompt} to {prompt + steps} slots grows about {most - 2} times")
+    expect(total <= 4 * final, f"the writes allocated {total:,} B in all, more than 4x the "
+                               f"{final:,} B the {prompt + steps} tokens hold: grow by doubling")
+    cat_tokens = prompt + sum(prompt + i + 1 for i in range(steps))  # a cat allocates them all
+    return (f"grew {grew} times for {prompt + steps} tokens and allocated {total / final:.1f}x "
+            f"the final cache in all; a cat cache allocates {cat_tokens / (prompt + steps):.0f}x")

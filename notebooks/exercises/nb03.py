@@ -7,6 +7,7 @@ every machine.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kvlib.meter import AllocMeter
 
@@ -86,3 +87,70 @@ def check_view(fn) -> None:
                f"want {want.data_ptr() - base:,}: it must be a view into k_store")
         expect(got.stride()[1:] == want.stride()[1:],
                f"{where}: strides {got.stride()}, want {want.stride()} (the store's own strides)")
+
+
+# --- 3. a sliding window: a ring of slots -----------------------------------------------------
+
+
+class RingCacheSolution:
+    """The last ``window`` tokens of every layer in a fixed ``[L, Hkv, window, D]`` store ("head"
+    layout): the token at position ``p`` lives in slot ``p % window``, overwriting the one
+    ``window`` positions before it.
+
+    The view hands out the slots in storage order, not in time order: attention is a weighted
+    sum over keys, and RoPE already put each key's position into the key itself, so the order of
+    the slots changes nothing.
+    """
+
+    def __init__(self, n_layers: int, window: int, n_kv_heads: int, head_dim: int) -> None:
+        self.window = window
+        self.k = torch.zeros(n_layers, n_kv_heads, window, head_dim)  # [L, Hkv, W, D]
+        self.v = torch.zeros(n_layers, n_kv_heads, window, head_dim)
+
+    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``k``, ``v``: ``[1, Hkv, D]``, the token at position ``pos``."""
+        self.k[layer, :, pos % self.window] = k[0]
+        self.v[layer, :, pos % self.window] = v[0]
+
+    def view(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[1, Hkv, min(seq, window), D]`` after ``seq`` tokens: the slots written so far."""
+        held = min(seq, self.window)
+        return self.k[layer, :, :held].unsqueeze(0), self.v[layer, :, :held].unsqueeze(0)
+
+
+RING = (2, 8, 2, 4, 30)  # layers, window, kv_heads, head_dim, tokens written
+
+
+@check
+def check_ring_cache(cls) -> None:
+    """``cls(n_layers, window, n_kv_heads, head_dim)`` with ``write(layer, pos, k, v)`` and
+    ``view(layer, seq)``: attention over its view equals attention over the last ``window``
+    tokens, at every position, with 0 B allocated by writes and views."""
+    L, W, H, D, tokens = RING
+    g = torch.Generator().manual_seed(2)
+    ring = attempt(cls, L, W, H, D)
+    past_k, past_v = torch.randn(L, tokens, H, D, generator=g), torch.randn(L, tokens, H, D, generator=g)
+    query = torch.randn(1, H, 1, D, generator=g)  # one query per KV head
+    for pos in range(tokens):
+        for layer in range(L):
+            with AllocMeter() as meter:
+                attempt(ring.write, layer, pos, past_k[layer, pos : pos + 1], past_v[layer, pos : pos + 1])
+            expect(not meter.total, f"write(layer={layer}, pos={pos}) allocated {meter.total:,} B "
+                                    f"({meter.by_op}): write into the store in place")
+            with AllocMeter() as meter:
+                keys, values = attempt(ring.view, layer, pos + 1)
+            where = f"view(layer={layer}, seq={pos + 1}) with window {W}"
+            want_shape = (1, H, min(pos + 1, W), D)
+            expect(tuple(keys.shape) == want_shape,
+                   f"{where}: shape {tuple(keys.shape)}, want {want_shape}")
+            expect(not meter.total, f"{where} allocated {meter.total:,} B ({meter.by_op}): a "
+                                    f"view allocates 0 B (the order of the slots does not matter)")
+            first = max(0, pos + 1 - W)  # the window: positions first..pos
+            want = F.scaled_dot_product_attention(
+                query, past_k[layer, first : pos + 1].transpose(0, 1)[None],
+                past_v[layer, first : pos + 1].transpose(0, 1)[None])
+            got = F.scaled_dot_product_attention(query, keys, values)
+            expect(torch.allclose(got, want, atol=1e-5),
+                   f"{where}: attention over your view differs from attention over positions "
+                   f"{first}..{pos} by {(got - want).abs().max().item():.3g}: the view must hold "
+                   f"exactly the last {W} tokens")

@@ -91,48 +91,65 @@ def check_repeat_kv_bytes(fn) -> None:
                f"heads, head_dim {head_dim(config)}).")
 
 
-# --- 3. GQA by folding query heads -----------------------------------------------------
+# --- 3. attention for a chunk of prefill, folded ---------------------------------------
 
 
-def gqa_fold_solution(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Decode attention, q ``[1, Hq, 1, D]``, k/v ``[1, Hkv, S, D]`` -> ``[1, Hq, 1, D]``.
+def chunk_attention_solution(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             t: int) -> torch.Tensor:
+    """A chunk's attention, q ``[1, Hq, n, D]`` at slots ``t..t+n``, k/v ``[1, Hkv, t+n, D]``.
 
-    Query head ``i`` uses KV head ``i // group`` (``enable_gqa``'s rule), so the
-    ``group`` query heads of one KV head are neighbours: view them as ``group``
-    query *positions* of that head. K and V are used as they are.
+    Query head ``h`` uses KV head ``h // group`` (``enable_gqa``'s rule), so the ``group`` query
+    heads of one KV head are neighbours: ``reshape`` puts query ``i`` of the ``g``-th head of a
+    group in row ``g * n + i``. Query ``i`` sees slots ``0..t+i``; the mask of the folded rows is
+    that ``[n, t+n]`` mask once per group member, stacked (``repeat``, not ``repeat_interleave``).
     """
     _, h_q, n, d = q.shape
     h_kv = k.shape[1]
     group = h_q // h_kv
-    q_folded = q.reshape(1, h_kv, group * n, d)  # [1, Hkv, group*1, D], a view for n == 1
-    out = F.scaled_dot_product_attention(q_folded, k, v)  # [1, Hkv, group, D]
+    folded = q.reshape(1, h_kv, group * n, d)  # [1, Hkv, group*n, D]
+    visible = torch.ones(n, t + n, dtype=torch.bool, device=q.device).tril(t)  # [n, t+n]
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=visible.repeat(group, 1))
     return out.reshape(1, h_q, n, d)
 
 
-def _gqa_inputs(seed: int = 0):
-    """SmolLM2's heads (9 query, 3 KV, head_dim 64) over the original design's permuted view."""
-    g = torch.Generator().manual_seed(seed)
-    seq, h_q, h_kv, d = 512, 9, 3, 64
-    q = torch.randn(1, h_q, 1, d, generator=g)
-    store_k = torch.randn(seq, h_kv, d, generator=g)  # the original design's [S, Hkv, D]
-    store_v = torch.randn(seq, h_kv, d, generator=g)
+CHUNK_CASES = [  # (Hq, Hkv, n, t, D): the first is SmolLM2's heads after a long context
+    (9, 3, 4, 508, 64), (32, 8, 3, 13, 16), (4, 2, 5, 0, 8), (6, 6, 2, 3, 8)]
+
+
+def _chunk_inputs(h_q: int, h_kv: int, n: int, t: int, d: int):
+    """q ``[1, Hq, n, D]``, and k/v as the original design's permuted view ``[1, Hkv, t+n, D]``."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, h_q, n, d, generator=g)
+    store_k = torch.randn(t + n, h_kv, d, generator=g)  # [S, Hkv, D] storage
+    store_v = torch.randn(t + n, h_kv, d, generator=g)
     return q, store_k.permute(1, 0, 2).unsqueeze(0), store_v.permute(1, 0, 2).unsqueeze(0)
 
 
+def _chunk_reference(q, k, v, t: int) -> torch.Tensor:
+    n = q.shape[2]
+    visible = torch.ones(n, t + n, dtype=torch.bool).tril(t)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+
+
 @check
-def check_gqa_fold(fn) -> None:
-    """``fn(q, k, v)`` must equal ``enable_gqa=True`` and allocate no copy of K or V."""
-    q, k, v = _gqa_inputs()
-    want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    kv_bytes = k.numel() * k.element_size()
-    # the CPU's fused kernel: it reads strided K/V in place, so any copy is yours
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), AllocMeter() as meter:
-        got = attempt(fn, q, k, v)
-    expect(tuple(got.shape) == tuple(want.shape),
-           f"output shape {tuple(got.shape)}, expected {tuple(want.shape)} ([1, Hq, 1, D])")
-    err = (got - want).abs().max().item()
-    expect(err <= 1e-5, f"output differs from enable_gqa=True by up to {err:.3g}: is query head i "
-                        f"paired with KV head i // group (not i % n_kv_heads)?")
-    expect(meter.total < kv_bytes,
-           f"same output, but your function allocated {meter.total:,} B, at least one K or V "
-           f"({kv_bytes:,} B): something copied K/V ({meter.by_op})")
+def check_chunk_attention(fn) -> None:
+    """``fn(q, k, v, t)`` must equal ``enable_gqa`` with the chunk's mask, and copy no K or V."""
+    for case in CHUNK_CASES:
+        h_q, h_kv, n, t, d = case
+        q, k, v = _chunk_inputs(*case)
+        want = _chunk_reference(q, k, v, t)
+        # the CPU's fused kernel: it reads strided K/V in place, so any copy is yours
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), AllocMeter() as meter:
+            got = attempt(fn, q, k, v, t)
+        where = f"Hq={h_q}, Hkv={h_kv}, n={n} queries after t={t} slots, D={d}"
+        expect(tuple(got.shape) == tuple(want.shape),
+               f"{where}: output shape {tuple(got.shape)}, expected {tuple(want.shape)} "
+               f"([1, Hq, n, D])")
+        err = (got - want).abs().max().item()
+        expect(err <= 1e-5, f"{where}: output differs from enable_gqa=True by up to {err:.3g}. "
+                            f"Which folded row is query i of which head? Does query i see slots "
+                            f"0..t+i?")
+        kv_bytes = k.numel() * k.element_size()
+        expect(case != CHUNK_CASES[0] or meter.total < kv_bytes,
+               f"{where}: same output, but your function allocated {meter.total:,} B, at least "
+               f"one K or V ({kv_bytes:,} B): something copied K/V ({meter.by_op})")

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.bandwidth import decode_bytes
-from kvlib.budget import plan_budget, weight_bytes, workspace_bytes
+from kvlib.bandwidth import decode_bytes, step_bytes
+from kvlib.budget import plan_budget, run_workspace, weight_bytes, workspace_bytes
+from kvlib.cards import Card
 from kvlib.config import GIB, kv_bytes_per_token, load_config
 
-from .checking import attempt, check, expect
+from .checking import attempt, check, expect, hint
 
 PREFILL_CHUNK = 512
 
@@ -25,11 +26,24 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def longest_context_solution(config, dtype: torch.dtype, batch: int, budget_bytes: int) -> int:
-    """Tokens per sequence that fit: (budget - weights - workspace) // (KV bytes/token x batch)."""
+    """The largest context with weights + KV + the run's workspace within the budget.
+
+    The workspace grows with the context (a prefill chunk's mask has a column per cached token),
+    so no single division gives it: bisect between a context that fits (0) and one whose cache
+    alone would not.
+    """
     weights = weight_bytes(config, dtype)
-    workspace = workspace_bytes(config, dtype, tokens=PREFILL_CHUNK, batch=batch)
     per_token = kv_bytes_per_token(config, dtype, batch)  # all `batch` sequences grow together
-    return max(0, (budget_bytes - weights - workspace) // per_token)
+
+    def fits(context: int) -> bool:
+        workspace = run_workspace(config, dtype, context, PREFILL_CHUNK, batch)
+        return weights + per_token * context + workspace <= budget_bytes
+
+    lo, hi = 0, max(0, budget_bytes - weights) // per_token + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 LONGEST_CASES = [  # (config, dtype, batch, budget GiB): the asked one first
@@ -47,12 +61,19 @@ def check_longest_context(fn) -> None:
         config = load_config(name)
         got = attempt(fn, config, dtype, batch, gib * GIB)
         plan = plan_budget(config, dtype, gib * GIB, batch=batch, prefill_chunk=PREFILL_CHUNK)
-        expect(got is not None and int(got) == plan.max_context,
-               f"{name} in {_name(dtype)}, batch {batch}, {gib} GiB: you said {got}, the plan "
-               f"says {plan.max_context:,} tokens per sequence (weights {plan.weights:,} B, "
-               f"workspace {plan.workspace:,} B for a {PREFILL_CHUNK}-token chunk of the batch, "
-               f"KV {plan.kv_per_token:,} B per token for all {batch} sequences). "
-               f"Hint: round down.")
+        want = plan.max_context
+        over = -plan.breakdown(want + 1)["free"]
+        at_zero = workspace_bytes(config, dtype, PREFILL_CHUNK, batch)  # a chunk, nothing cached
+        fixed = (gib * GIB - plan.weights - at_zero) // plan.kv_per_token
+        expect(got is not None and int(got) == want,
+               f"{name} in {_name(dtype)}, batch {batch}, {gib} GiB: you said {got}, the plan says "
+               f"{want:,} tokens per sequence (weights {plan.weights:,} B, KV {plan.kv_per_token:,} "
+               f"B per token for all {batch} sequences, workspace {plan.workspace:,} B at that "
+               f"context; one token more is {over:,} B over).",
+               hint(got, {fixed: f"Hint: that prices the workspace of a chunk with nothing cached "
+                                 f"({at_zero:,} B); it grows with the context, so search for the "
+                                 f"largest context that fits."},
+                    "Hint: bisect on weights + KV + run_workspace(context) <= budget."))
 
 
 # --- 2. the floor under a decode step ----------------------------------------------------
@@ -97,3 +118,70 @@ def check_decode_floor(fn) -> None:
                f"{name} in {_name(dtype)} at {context:,} tokens, {bw / 1e9:g} GB/s: you said "
                f"{got} ms, the floor is {want:.3f} ms = ({weights:,} B of weights read + {kv:,} B "
                f"of K/V) / bandwidth. Hint: milliseconds, not seconds; {head}")
+
+
+# --- 3. a card the table does not have ---------------------------------------------------
+
+
+def predict_card_solution(config, dtype: torch.dtype, card: Card, cache: str) -> tuple[int, float]:
+    """``(context, ms)``: the longest context ``cache`` reaches on ``card`` by the plan, capped at
+    the model's positions, and the predicted ms per token of a decode step there."""
+    plan = plan_budget(config, dtype, card.memory, prefill_chunk=PREFILL_CHUNK, cache=cache)
+    context = min(plan.max_context, config.max_position_embeddings)
+    return context, card.predicted_ms_per_token(config, dtype, context, cache)
+
+
+# Not in kvlib.cards.CARDS: memory and bandwidth from the vendors' spec sheets.
+NEW_CARDS = {
+    "L4": Card("L4", 24, 8.9, 300e9, "https://www.nvidia.com/en-us/data-center/l4/ (24GB, 300GB/s)"),
+    "RTX 4060 Ti 16GB": Card("RTX 4060 Ti 16GB", 16, 8.9, 288e9,
+                             "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/"
+                             "rtx-4060-4060ti/ (16 GB GDDR6, 128-bit at 18 Gbps: 288 GB/s)"),
+    "RTX 4060": Card("RTX 4060", 8, 8.9, 272e9,
+                     "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/rtx-4060-4060ti/"
+                     " (8 GB GDDR6, 128-bit at 17 Gbps: 272 GB/s)"),
+}
+PREDICT_CASES = [  # (config, dtype, card, cache): the asked one first
+    ("qwen3-4b", torch.bfloat16, "L4", "prealloc"),
+    ("qwen3-4b", torch.bfloat16, "L4", "cat"),
+    ("qwen3-4b", torch.bfloat16, "RTX 4060", "prealloc"),
+    ("qwen3-4b", torch.bfloat16, "RTX 4060", "cat"),  # memory-bound: each cache has its own plan
+    ("llama-3.2-3b", torch.bfloat16, "RTX 4060 Ti 16GB", "cat"),
+    ("smollm2-135m", torch.bfloat16, "RTX 4060", "cat"),
+]
+RTOL_MS = 1e-3
+
+
+@check
+def check_predict_card(fn) -> None:
+    """``fn(config, dtype, card, cache)`` -> ``(context, ms)``, the context exact, ms within 0.1%."""
+    for name, dtype, card_name, cache in PREDICT_CASES:
+        config, card = load_config(name), NEW_CARDS[card_name]
+        got = attempt(fn, config, dtype, card, cache)
+        context, ms = predict_card_solution(config, dtype, card, cache)
+        plan = plan_budget(config, dtype, card.memory, prefill_chunk=PREFILL_CHUNK, cache=cache)
+        window = config.max_position_embeddings
+        try:
+            got_context, got_ms = (int(got[0]), float(got[1]))
+        except (TypeError, ValueError, IndexError):
+            got_context = got_ms = None
+        limit = "the model's positions" if window < plan.max_context else "memory"
+        card_name = ("an " if card_name[0] in "AEFHILMNORSX" else "a ") + card_name
+        expect(got_context == context,
+               f"{name} on {card_name} ({card.memory_gb:g} GB), {cache}: you said {got_context} "
+               f"tokens, the plan allows {plan.max_context:,} and the model's positions end at "
+               f"{window:,}: {context:,} (the limit is {limit}).",
+               hint(got_context, {plan.max_context: "Hint: no context past "
+                                                    "max_position_embeddings is usable."}))
+        moved = step_bytes(config, dtype, context, cache)
+        copy = moved - decode_bytes(config, dtype, context)
+        no_copy = 1e3 * (moved - copy) / card.bandwidth
+        known = {ms / 1e3: "Hint: milliseconds, not seconds.",
+                 no_copy: "Hint: a cat step also reads its whole cache and writes it again, into "
+                          "the longer tensor."}
+        near = next((text for wrong, text in known.items()
+                     if got_ms is not None and abs(got_ms - wrong) <= RTOL_MS * wrong), "")
+        expect(got_ms is not None and abs(got_ms - ms) <= RTOL_MS * ms,
+               f"{name} on {card_name}, {cache} at {context:,} tokens: you said {got_ms} ms, the "
+               f"floor is {ms:.3f} ms = {moved:,} B moved / {card.bandwidth / 1e9:g} GB/s "
+               f"({copy:,} B of them the cache copying itself).", f" {near}" if near else "")
