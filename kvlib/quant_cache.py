@@ -10,7 +10,7 @@ multiply. SDPA takes floating-point K/V, so :meth:`QuantCache.view` returns a de
 one layer's slots, alive for that layer's attention only: never a copy of the whole context at once.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -120,9 +120,10 @@ class WindowBudget(Budget):
     window: int = 1
     positions: int = 1
 
-    @property
-    def max_context(self) -> int:
-        return self.positions if super().max_context >= self.window else 0
+    def __post_init__(self, workspace_at) -> None:
+        super().__post_init__(workspace_at)
+        fits = self.breakdown(self.window)["free"] >= 0
+        object.__setattr__(self, "max_context", self.positions if fits else 0)
 
     def breakdown(self, context: int) -> dict[str, int]:
         return super().breakdown(min(context, self.window))
@@ -133,7 +134,7 @@ def plan_kv(config, dtype: torch.dtype, budget_bytes: int, kv: str = "bf16",
     """:func:`~kvlib.budget.plan_budget` with the KV stored as ``kv`` (a key of :data:`FORMATS`)
     and, given a ``window``, each sequence's KV capped at ``window`` tokens."""
     plan = plan_budget(config, dtype, budget_bytes, batch=batch)
-    plan = replace(plan, kv_per_token=batch * kv_format_bytes(config, kv))
+    parts = (plan.weights, batch * kv_format_bytes(config, kv), plan.budget, plan._workspace_at)
     if window is None:
-        return plan
-    return WindowBudget(**vars(plan), window=window, positions=config.max_position_embeddings)
+        return Budget(*parts)
+    return WindowBudget(*parts, window=window, positions=config.max_position_embeddings)

@@ -89,10 +89,14 @@ def test_plan_kv_moves_only_the_kv_term():
     config = load_config("qwen3-4b")
     base = plan_budget(config, torch.bfloat16, 12 * GIB)
     assert plan_kv(config, torch.bfloat16, 12 * GIB) == base
-    room = base.budget - base.weights - base.workspace
-    contexts = {kv: plan_kv(config, torch.bfloat16, 12 * GIB, kv).max_context
-                for kv in ("bf16", "fp8", "int8", "int4")}
-    assert contexts == {kv: room // kv_format_bytes(config, kv) for kv in contexts}
+    plans = {kv: plan_kv(config, torch.bfloat16, 12 * GIB, kv) for kv in ("bf16", "fp8", "int8", "int4")}
+    for kv, plan in plans.items():  # the weights and the workspace are the base plan's; the KV is not
+        assert (plan.weights, plan.budget) == (base.weights, base.budget)
+        assert plan.kv_per_token == kv_format_bytes(config, kv)
+        c = plan.max_context
+        assert plan.breakdown(c)["free"] >= 0 > plan.breakdown(c + 1)["free"], kv
+        assert plan.breakdown(c)["workspace"] == base.breakdown(c)["workspace"]
+    contexts = {kv: plan.max_context for kv, plan in plans.items()}
     assert contexts["bf16"] < contexts["int8"] < contexts["fp8"] < contexts["int4"]
     two = plan_kv(config, torch.bfloat16, 12 * GIB, "int8", batch=2)
     assert two.kv_per_token == 2 * kv_format_bytes(config, "int8")
