@@ -25,10 +25,10 @@ shape, and an eager decode step has a new length every step.
 
 import functools
 import sys
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

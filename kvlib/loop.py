@@ -100,7 +100,8 @@ def _check_request(model, ids: torch.Tensor, cache: Cache, max_new_tokens: int, 
     """Refuse, with the numbers, a request that would overflow the cache or the model's positions."""
     n, start = ids.shape[1], cache.seq_len
     if n < 1 or max_new_tokens < 1:
-        raise ValueError(f"{who}need a prompt and max_new_tokens >= 1, got {n} prompt tokens, {max_new_tokens}")
+        raise ValueError(f"{who}need a prompt and max_new_tokens >= 1, "
+                         f"got {n} prompt tokens, {max_new_tokens}")
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"{who}prefill_chunk must be >= 1, got {prefill_chunk}")
     end = start + n + max_new_tokens

@@ -17,8 +17,9 @@ with the bytes -- rounding to 512 B blocks, caching freed blocks, growing ``rese
 ``kvlib.memory``'s job; this meter counts what the *program* asked for.
 """
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

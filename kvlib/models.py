@@ -129,4 +129,5 @@ def hf_static_cache(model, max_cache_len: int) -> dict:
     ``past_key_values`` before.
     """
     new = version.parse(transformers.__version__) >= version.parse("5.24")
-    return {"cache" if new else "past_key_values": StaticCache(config=model.config, max_cache_len=max_cache_len)}
+    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    return {"cache" if new else "past_key_values": cache}

@@ -10,16 +10,16 @@ came from.
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from itertools import accumulate
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from matplotlib.figure import Figure
 from matplotlib.text import Text
 
-from kvlib.config import GIB, MIB
 from kvlib.budget import Budget
+from kvlib.config import GIB, MIB
 
 __all__ = ["FIGURES", "against_floor", "budget_bar", "bytes_per_step", "cumulative_bytes", "load",
            "memory_vs_tokens", "save", "time_per_step"]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct, real weights, offline (first use dequantizes and caches)."""

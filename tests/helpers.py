@@ -13,8 +13,17 @@ reference solution, a stub and known wrong answers, and must print one verdict f
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, GemmaConfig, GlmConfig, HeliumConfig, LlamaConfig,
-                          MistralConfig, Qwen2Config, Qwen3Config, Starcoder2Config)
+from transformers import (
+    AutoModelForCausalLM,
+    GemmaConfig,
+    GlmConfig,
+    HeliumConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Starcoder2Config,
+)
 
 SHARED = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,

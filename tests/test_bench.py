@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-
 from helpers import tiny_model
+
 from kvlib.bench import CACHES, ms_per_token
 from kvlib.config import kv_bytes_per_token, load_config
 

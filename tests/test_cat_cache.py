@@ -98,9 +98,11 @@ def test_write_past_the_end_is_refused_and_writes_nothing():
     c.write(0, 0, *kv(3))
     before = [t.clone() for t in c.view(0, 3)]
     k, v = kv(1, seed=5)
-    with pytest.raises(ValueError, match=re.escape("CatCache can only append: writing at slot 5, layer 0 holds 3")):
+    with pytest.raises(ValueError, match=re.escape(
+            "CatCache can only append: writing at slot 5, layer 0 holds 3")):
         c.write(0, 5, k, v)
-    with pytest.raises(ValueError, match=re.escape("CatCache can only append: writing at slot 1, layer 1 holds 0")):
+    with pytest.raises(ValueError, match=re.escape(
+            "CatCache can only append: writing at slot 1, layer 1 holds 0")):
         c.write(1, 1, k, v)
     assert c.k[0].shape[2] == 3 and c.k[1].shape[2] == 0
     for a, b in zip(before, c.view(0, 3)):
@@ -159,9 +161,11 @@ def test_refusals_share_kvcache_words():
         c.write(0, -1, k, v)
     with pytest.raises(ValueError, match=re.escape(f"k has shape (2, 2, 4), expected [n, {H}, {D}]")):
         c.write(0, 0, torch.ones(2, 2, 4), v)
-    with pytest.raises(ValueError, match=re.escape("k is torch.float16 on cpu, cache is torch.float32 on cpu")):
+    with pytest.raises(ValueError, match=re.escape(
+            "k is torch.float16 on cpu, cache is torch.float32 on cpu")):
         c.write(0, 0, k.half(), v)
-    with pytest.raises(ValueError, match=re.escape("v is torch.float32 on meta, cache is torch.float32 on cpu")):
+    with pytest.raises(ValueError, match=re.escape(
+            "v is torch.float32 on meta, cache is torch.float32 on cpu")):
         c.write(0, 0, k, v.to("meta"))
     with pytest.raises(ValueError, match=re.escape("k (2, 3, 4) and v (1, 3, 4) disagree")):
         c.write(0, 0, k, v[:1])

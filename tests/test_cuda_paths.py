@@ -22,6 +22,7 @@ import types
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from helpers import SHARED, tiny_model
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -31,7 +32,6 @@ from transformers.models.llama import modeling_llama  # noqa: F401
 from transformers.models.qwen3 import modeling_qwen3  # noqa: F401
 
 import kvlib
-from helpers import SHARED, tiny_model
 from kvlib import bench, env, graphs, memory, timing
 from kvlib.kv_cache import KVCache
 

@@ -2,8 +2,9 @@
 
 
 from exercises import nb06
-from kvlib.cards import CARDS
 from helpers import check_tests
+
+from kvlib.cards import CARDS
 
 
 def longest_no_batch(config, dtype, batch, budget_bytes):  # KV priced for one sequence only

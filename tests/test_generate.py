@@ -11,12 +11,20 @@ import re
 import pytest
 import torch
 from helpers import FAMILIES, SHARED, tiny_model
-from transformers import (AutoModelForCausalLM, GPT2Config, GraniteConfig, MistralConfig, Olmo2Config,
-                          Qwen2Config, SmolLM3Config)
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GraniteConfig,
+    MistralConfig,
+    Olmo2Config,
+    Qwen2Config,
+    SmolLM3Config,
+)
 
 import kvlib.loop
 from kvlib import AllocMeter, CatCache, KVCache, MeteredCache, generate
 from kvlib.loop import EOS_CHECK_EVERY
+
 N_NEW = 40
 PROMPT_LEN = 12
 CACHES = [("prealloc", "head"), ("prealloc", "seq"), ("cat", "head")]
@@ -78,14 +86,15 @@ def test_tiny_models_match_transformers_generate(family, cache, layout):
     assert g.prompt_len == PROMPT_LEN
     assert len(g.logits) == N_NEW
     for step, (ours, theirs) in enumerate(zip(g.logits, hf_logits)):
-        torch.testing.assert_close(ours, theirs, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(ours, theirs, msg=lambda m, step=step: f"step {step}: {m}")
     # the cache holds the prompt and every new token but the last
     assert g.cache.seq_len == PROMPT_LEN + N_NEW - 1
     if isinstance(g.cache, KVCache):
         assert g.cache.layout == layout
         assert g.cache.max_seq == PROMPT_LEN + N_NEW  # default max_seq: exactly what is needed
     else:
-        assert isinstance(g.cache, CatCache) and g.cache.nbytes == (PROMPT_LEN + N_NEW - 1) * g.cache.bytes_per_token
+        assert isinstance(g.cache, CatCache)
+        assert g.cache.nbytes == (PROMPT_LEN + N_NEW - 1) * g.cache.bytes_per_token
 
 
 def test_one_dimensional_prompt_and_explicit_max_seq():
@@ -102,7 +111,8 @@ SMOL_MAX_NEW = 48
 @pytest.fixture(scope="module")
 def smol_chat(smollm2):
     model, tok = smollm2
-    ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)["input_ids"]
     tokens, logits = hf_generate(model, ids, SMOL_MAX_NEW)
     eos = model.generation_config.eos_token_id
     # the reference itself must be a real answer that ends at EOS, or the test proves little
@@ -119,7 +129,7 @@ def test_smollm2_chat_matches_transformers_to_eos(smollm2, smol_chat, cache):
     assert g.tokens == hf_tokens, (tok.decode(g.tokens), tok.decode(hf_tokens))
     assert len(g.logits) == len(hf_tokens)
     for step, (ours, theirs) in enumerate(zip(g.logits, hf_logits)):
-        torch.testing.assert_close(ours, theirs, **FOLDED, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(ours, theirs, **FOLDED, msg=lambda m, step=step: f"step {step}: {m}")
     assert g.cache.seq_len == ids.shape[1] + len(hf_tokens) - 1
     assert "sea" in tok.decode(g.tokens).lower()
 
@@ -183,7 +193,8 @@ def test_continuation_overflow_counts_what_is_cached():
     cache = make_cache("prealloc", model, max_seq=24)
     generate(model, prompt(10), 8, cache=cache, eos_token_id=None)  # seq_len 17
     snap = cache.k.clone(), cache.seq_len
-    with pytest.raises(ValueError, match=re.escape("KV overflow: 17 cached + 5 prompt + 3 new tokens > max_seq=24")):
+    with pytest.raises(ValueError, match=re.escape(
+            "KV overflow: 17 cached + 5 prompt + 3 new tokens > max_seq=24")):
         generate(model, prompt(5), 3, cache=cache, eos_token_id=None)
     assert torch.equal(cache.k, snap[0]) and cache.seq_len == snap[1]
 
@@ -298,8 +309,9 @@ def test_sampling_is_seeded():
 def test_top_k_1_and_tiny_top_p_are_greedy():
     model = model_of("qwen3")
     greedy = hf_reference("qwen3")[0]
-    assert generate(model, prompt(), N_NEW, temperature=1.5, top_k=1, seed=3, eos_token_id=None).tokens == greedy
-    assert generate(model, prompt(), N_NEW, temperature=1.5, top_p=1e-6, seed=3, eos_token_id=None).tokens == greedy
+    sample = dict(temperature=1.5, seed=3, eos_token_id=None)
+    assert generate(model, prompt(), N_NEW, top_k=1, **sample).tokens == greedy
+    assert generate(model, prompt(), N_NEW, top_p=1e-6, **sample).tokens == greedy
 
 
 def test_sampled_tokens_stay_inside_top_k_and_top_p():
@@ -307,7 +319,8 @@ def test_sampled_tokens_stay_inside_top_k_and_top_p():
     g = generate(model, prompt(), 48, temperature=1.0, top_k=5, seed=7, eos_token_id=None, return_logits=True)
     for token, logits in zip(g.tokens, g.logits):
         assert token in logits.topk(5).indices.tolist()
-    g = generate(model, prompt(), 48, temperature=1.0, top_p=0.5, seed=7, eos_token_id=None, return_logits=True)
+    g = generate(model, prompt(), 48, temperature=1.0, top_p=0.5, seed=7, eos_token_id=None,
+                 return_logits=True)
     for token, logits in zip(g.tokens, g.logits):
         probs, order = logits.softmax(-1).sort(descending=True)
         nucleus = order[: int((probs.cumsum(-1) < 0.5).sum()) + 1].tolist()
@@ -344,7 +357,8 @@ def test_exactly_max_seq_fits():
 
 @pytest.mark.parametrize("n", [0, -1])
 def test_max_new_tokens_below_one_is_refused(n):
-    with pytest.raises(ValueError, match=re.escape(f"need a prompt and max_new_tokens >= 1, got 10 prompt tokens, {n}")):
+    with pytest.raises(ValueError, match=re.escape(
+            f"need a prompt and max_new_tokens >= 1, got 10 prompt tokens, {n}")):
         generate(model_of("llama"), prompt(10), n)
 
 
@@ -366,7 +380,8 @@ def test_a_negative_prefill_chunk_is_refused(chunk):
 
 
 def test_unknown_cache_kind_is_refused():
-    with pytest.raises(ValueError, match=re.escape("cache must be 'prealloc', 'cat' or a cache object, not 'paged'")):
+    with pytest.raises(ValueError, match=re.escape(
+            "cache must be 'prealloc', 'cat' or a cache object, not 'paged'")):
         generate(model_of("llama"), prompt(), 4, cache="paged")
 
 
@@ -404,8 +419,8 @@ def test_the_same_families_are_accepted_where_nothing_is_unusual():
 def test_layers_of_mixed_attention_are_refused():
     config = Qwen2Config(**SHARED, use_sliding_window=True, sliding_window=8, max_window_layers=1)
     assert "sliding_attention" in config.layer_types
-    with pytest.raises(NotImplementedError, match="2 of 3 layers use 'sliding_attention'; kvlib's token "
-                                                  "loop runs full or sliding-window attention in every layer"):
+    with pytest.raises(NotImplementedError, match="2 of 3 layers use 'sliding_attention'; kvlib's "
+                       "token loop runs full or sliding-window attention in every layer"):
         generate(tiny_from(config), torch.tensor([[1, 2, 3]]), 2)
 
 
@@ -474,7 +489,8 @@ def metered_run(model, cache, n_new=STEPS):
         meter.mark()
 
     with meter:
-        g = generate(model, prompt(), n_new, cache=MeteredCache(cache, meter), eos_token_id=None, on_step=on_step)
+        g = generate(model, prompt(), n_new, cache=MeteredCache(cache, meter), eos_token_id=None,
+                     on_step=on_step)
     assert len(meter.steps) == len(lengths) == n_new - 1
     return g, meter, lengths
 

@@ -253,7 +253,8 @@ def test_overflow(layout):
 @pytest.mark.parametrize(
     "k_shape, v_shape, msg",
     [
-        ((3, 3, D), (3, H, D), "k has shape (3, 3, 4), expected [n, 2, 4] (n new tokens, n_kv_heads, head_dim)"),
+        ((3, 3, D), (3, H, D),
+         "k has shape (3, 3, 4), expected [n, 2, 4] (n new tokens, n_kv_heads, head_dim)"),
         ((3, H, 5), (3, H, D), "k has shape (3, 2, 5), expected [n, 2, 4]"),
         ((3, H, D), (3, H, 8), "v has shape (3, 2, 8), expected [n, 2, 4]"),
         ((H, D), (H, D), "k has shape (2, 4), expected [n, 2, 4]"),

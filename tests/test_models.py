@@ -119,7 +119,8 @@ def test_random_weights_are_the_same_every_load(monkeypatch):
 def test_random_model_explicit_dtype_on_meta():
     model, _ = load_model("random:qwen3-4b", device="meta", dtype=torch.bfloat16)
     assert model.device.type == "meta" and model.dtype == torch.bfloat16
-    assert (model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim) == (36, 8, 128)
+    c = model.config
+    assert (c.num_hidden_layers, c.num_key_value_heads, c.head_dim) == (36, 8, 128)
 
 
 def test_auto_dtype_on_cpu_is_fp32():
@@ -135,7 +136,8 @@ def test_model_names_lists_the_offline_choices():
 
 @pytest.mark.parametrize("name", ["nope", "smollm2", "qwen3-4b"])
 def test_unknown_name_lists_the_choices(name):
-    with pytest.raises(ValueError, match=re.escape(f"unknown model {name!r}; offline choices: {model_names()}")):
+    with pytest.raises(ValueError, match=re.escape(
+            f"unknown model {name!r}; offline choices: {model_names()}")):
         load_model(name, device="meta")
 
 
@@ -164,7 +166,8 @@ def test_hub_id_offline_fails_fast(monkeypatch):
     if hub_model_cached():
         pytest.skip(f"{HUB_ID} is in the local Hugging Face cache")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(models, "_hub_reachable", lambda *a, **k: pytest.fail("probed the network while offline"))
+    monkeypatch.setattr(models, "_hub_reachable",
+                        lambda *a, **k: pytest.fail("probed the network while offline"))
     assert_fails_fast_naming_the_offline_choices()
 
 

@@ -14,8 +14,8 @@ from transformers import AutoConfig
 import kvlib
 from kvlib import plots
 from kvlib.bandwidth import decode_bytes, floor_s_per_token, mbu, measure_bandwidth
-from kvlib.config import load_config
 from kvlib.budget import plan_budget
+from kvlib.config import load_config
 
 LABEL = "cpu | test rig | bf16 | torch 2.x"
 GIB = 1024**3

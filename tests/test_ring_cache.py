@@ -63,7 +63,7 @@ def test_windowed_families_match_transformers(family, chunk):
                  prefill_chunk=chunk)
     assert g.tokens == tokens
     for step, (ours, theirs) in enumerate(zip(g.logits, logits)):
-        torch.testing.assert_close(ours, theirs, **FOLDED, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(ours, theirs, **FOLDED, msg=lambda m, step=step: f"step {step}: {m}")
     assert g.cache.seq_len == 12 + N_NEW - 1  # positions keep counting past the window
 
 
@@ -159,7 +159,8 @@ def test_a_ring_cannot_go_back():
     with pytest.raises(ValueError, match=re.escape("layer 1 of 3 holds up to 31, not a view of 20")):
         cache.view(1, 20)
     cache.reset()
-    assert generate(model, prompt(), N_NEW, cache=cache, eos_token_id=None).tokens == hf_reference("mistral")[0]
+    tokens = generate(model, prompt(), N_NEW, cache=cache, eos_token_id=None).tokens
+    assert tokens == hf_reference("mistral")[0]
 
 
 def test_bad_shapes_and_a_model_without_a_window():

@@ -4,12 +4,12 @@ import math
 
 import pytest
 import torch
-
 from helpers import TINY
+
 from kvlib.bandwidth import decode_bytes, step_bytes, twin_config
 from kvlib.budget import meta_model, plan_budget
-from kvlib.config import GIB, MIB, kv_bytes_per_token, load_config
 from kvlib.cards import CARDS, card, fused_sdpa, sdpa_kernel
+from kvlib.config import GIB, MIB, kv_bytes_per_token, load_config
 from kvlib.simulate import Ledger, fits_context, longest_context, simulate
 
 META, BF16 = torch.device("meta"), torch.bfloat16

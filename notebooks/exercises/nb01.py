@@ -134,7 +134,10 @@ def min_chunk_solution(config, dtype: torch.dtype, peak_flops: float, bandwidth:
     reached, then bisect.
     """
     ridge = peak_flops / bandwidth
-    reaches = lambda n: intensity(config, dtype, n, n) >= ridge
+
+    def reaches(n):
+        return intensity(config, dtype, n, n) >= ridge
+
     high = 1
     while not reaches(high):
         high *= 2
