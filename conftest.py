@@ -11,7 +11,6 @@ os.environ.setdefault("KVLIB_SAVE_FIGURES", tempfile.mkdtemp(prefix="kvlib-figur
 # that merged them ended (see that session's closing note): their stored outputs are missing or
 # stale, so nbval has nothing true to compare. Re-execute each one and take it off this list.
 collect_ignore = [
-    "notebooks/05-static-shapes-cuda-graphs.ipynb",
     "notebooks/07-batches-paged-blocks.ipynb",
     "notebooks/08-quantized-and-windowed-caches.ipynb",
 ]

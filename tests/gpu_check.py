@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's kvlib, wherever the script is run from
 
 import kvlib  # noqa: E402
-from kvlib import bench, plots  # noqa: E402
+from course import bench, plots  # noqa: E402
 from kvlib.budget import plan_budget  # noqa: E402
 from kvlib.config import GIB, MIB, kv_bytes_per_token, load_config  # noqa: E402
 from kvlib.env import describe, label  # noqa: E402
@@ -437,9 +437,9 @@ def nbval(ctx):
 
 @check(120)
 def bench_run(ctx):
-    """``python -m kvlib.bench --out OUTDIR/bench``: figures that can become the reference ones."""
+    """``python -m course.bench --out OUTDIR/bench``: figures that can become the reference ones."""
     out = ctx.out / "bench"
-    run = subprocess.run([sys.executable, "-m", "kvlib.bench", "--out", str(out)], cwd=ROOT,
+    run = subprocess.run([sys.executable, "-m", "course.bench", "--out", str(out)], cwd=ROOT,
                          env=dict(os.environ, PYTHONPATH=_path(ROOT)), capture_output=True,
                          text=True, timeout=max(30, ctx.left()))
     (ctx.out / "bench.log").write_text(run.stdout + run.stderr)

@@ -1,4 +1,4 @@
-"""`python -m kvlib.bench --quick`: the command runs and its last line is the promised JSON.
+"""`python -m course.bench --quick`: the command runs and its last line is the promised JSON.
 
 The device is pinned to the CPU: on a GPU machine the default would be Qwen3-4B, which the GPU
 check (tests/gpu_check.py) runs instead."""
@@ -11,13 +11,13 @@ import pytest
 import torch
 from helpers import tiny_model
 
-from kvlib.bench import CACHES, ms_per_token
+from course.bench import CACHES, ms_per_token, verdicts
 from kvlib.config import kv_bytes_per_token, load_config
 
 
 def test_quick_bench_prints_one_json_line_and_writes_figures(tmp_path):
     run = subprocess.run(
-        [sys.executable, "-m", "kvlib.bench", "--quick", "--device", "cpu", "--out", str(tmp_path)],
+        [sys.executable, "-m", "course.bench", "--quick", "--device", "cpu", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600, check=True,
     )
     res = json.loads(run.stdout.strip().splitlines()[-1])
@@ -28,6 +28,8 @@ def test_quick_bench_prints_one_json_line_and_writes_figures(tmp_path):
     for k in CACHES:
         ms = res["caches"][k]["ms_per_token"]
         assert len(ms) == n and all(m > 0 for m in ms)
+        spread = res["caches"][k]["spread_ms"]
+        assert all(lo <= m <= hi for m, (lo, hi) in zip(ms, spread))
     # The meter's numbers are exact: prealloc allocates nothing for its cache; cat
     # allocates the whole grown cache, K and V of every layer: context + 1 slots.
     per_token = kv_bytes_per_token(load_config("smollm2-135m"), torch.float32)
@@ -54,3 +56,14 @@ def test_transformers_rows_run_uncompiled(kind, monkeypatch):
     monkeypatch.setattr(type(model), "_valid_auto_compile_criteria", spy)
     assert ms_per_token(model, torch.tensor([[1, 2, 3, 4]]), kind, steps=2, chunk=4) > 0
     assert asked and all(asked)
+
+
+def test_a_verdict_is_said_only_where_the_spreads_part():
+    spreads = {"prealloc": [(10, 11), (10, 12), None], "cat": [(12, 13), (11, 14), (5, 6)],
+               "hf_static": [(8, 9), (13, 15), (5, 6)]}
+    res = {"contexts": [512, 2048, 8192], "caches": {k: {"spread_ms": v} for k, v in spreads.items()}}
+    assert verdicts(res) == [
+        "512 tokens: prealloc is faster than cat", "512 tokens: prealloc is slower than hf_static",
+        "2048 tokens: prealloc is within the spread of cat",
+        "2048 tokens: prealloc is faster than hf_static",
+    ]

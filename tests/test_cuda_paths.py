@@ -32,7 +32,8 @@ from transformers.models.llama import modeling_llama  # noqa: F401
 from transformers.models.qwen3 import modeling_qwen3  # noqa: F401
 
 import kvlib
-from kvlib import bench, env, graphs, memory, timing
+from course import bench
+from kvlib import env, graphs, memory, timing
 from kvlib.kv_cache import KVCache
 
 GIB, MIB = 2**30, 2**20

@@ -12,7 +12,7 @@ from matplotlib.text import Text
 from transformers import AutoConfig
 
 import kvlib
-from kvlib import plots
+from course import plots
 from kvlib.bandwidth import decode_bytes, floor_s_per_token, mbu, measure_bandwidth
 from kvlib.budget import plan_budget
 from kvlib.config import load_config
@@ -142,4 +142,4 @@ def test_load_missing_names_path_and_command(tmp_path):
     with pytest.raises(FileNotFoundError) as err:
         plots.load("nothing", directory=tmp_path)
     assert str(tmp_path / "nothing.json") in str(err.value)
-    assert "python -m kvlib.bench --out figures" in str(err.value)
+    assert "python -m course.bench --out figures" in str(err.value)

@@ -26,7 +26,7 @@ __all__ = ["FIGURES", "against_floor", "budget_bar", "bytes_per_step", "cumulati
 
 # The repo's figures/, found from the package, so notebooks/ and the repo root agree.
 FIGURES = Path(__file__).resolve().parent.parent / "figures"
-REGENERATE = "python -m kvlib.bench --out figures"
+REGENERATE = "python -m course.bench --out figures"
 
 
 def _figure(title: str, label: str, xlabel: str, ylabel: str, size=(7.0, 4.0)):

@@ -1,4 +1,4 @@
-"""``python -m kvlib.bench``: every reference figure of the course, from one run.
+"""``python -m course.bench``: every reference figure of the course, from one run.
 
 One process, one model, one prompt, several context lengths: decode time per token for
 ``kvlib.generate`` with the preallocated and the ``cat`` cache, and for ``transformers``'
@@ -22,18 +22,19 @@ from tqdm import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.utils import logging as hf_logging
 
+from kvlib.bandwidth import decode_bytes, floor_s_per_token, measure_bandwidth
+from kvlib.budget import plan_budget
+from kvlib.cat_cache import CatCache
+from kvlib.decoder import forward
+from kvlib.env import default_device, describe, label, resolve
+from kvlib.kv_cache import KVCache
+from kvlib.loop import generate
+from kvlib.memory import MemoryTrace, allocator_budget, cap_memory, free, largest, memory_stats
+from kvlib.meter import cache_bytes_per_step
+from kvlib.models import hf_static_cache, load_model
+from kvlib.timing import StepTimer
+
 from . import plots
-from .bandwidth import decode_bytes, floor_s_per_token, measure_bandwidth
-from .budget import plan_budget
-from .cat_cache import CatCache
-from .decoder import forward
-from .env import default_device, describe, label, resolve
-from .kv_cache import KVCache
-from .loop import generate
-from .memory import MemoryTrace, allocator_budget, cap_memory, free, largest, memory_stats
-from .meter import cache_bytes_per_step
-from .models import hf_static_cache, load_model
-from .timing import StepTimer
 
 CACHES = ("prealloc", "cat", "hf_dynamic", "hf_static")
 METERED = ("prealloc", "cat")  # kvlib's own caches: the meter can split their bytes out
@@ -136,12 +137,13 @@ def longest_context(model, budget: int, chunk: int) -> dict:
     return out
 
 
-def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=None, rounds=2,
+def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=None, rounds=5,
         progress=True) -> dict:
     """Everything above for one model on one device; returns the results dict printed as JSON.
 
-    Each context is timed in ``rounds`` rounds, the caches in a rotated order each round, and a
-    cache's ``ms_per_token`` is its best round: noise from the rest of the machine only adds time.
+    Each context is timed in ``rounds`` rounds, the caches in a rotated order each round, so load
+    on the machine hits every cache alike. A cache's ``ms_per_token`` is the median of its rounds
+    and ``spread_ms`` their (min, max): two caches differ only where their spreads do not overlap.
     """
     device = resolve(device)
     on_gpu, cap = device.type == "cuda", cap_memory(budget_gib, device)
@@ -173,7 +175,8 @@ def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=
             except torch.OutOfMemoryError:
                 pass
     for k, v in res["caches"].items():
-        v["ms_per_token"] = [min(ms, default=None) for ms in v["rounds_ms"]]
+        v["ms_per_token"] = [statistics.median(ms) if ms else None for ms in v["rounds_ms"]]
+        v["spread_ms"] = [(min(ms), max(ms)) if ms else None for ms in v["rounds_ms"]]
         if k in METERED:
             for c in contexts:
                 free(device)
@@ -210,7 +213,11 @@ def figures(res: dict, out: Path) -> None:
     def measured(values):
         return tuple(zip(*[(c, x) for c, x in zip(cs, values) if x is not None]))
 
-    series = {k: measured(v["ms_per_token"]) for k, v in caches.items()}
+    series = {}
+    for k, v in caches.items():
+        tokens, ms = measured(v["ms_per_token"])
+        low, high = zip(*[s for s in v["spread_ms"] if s is not None])
+        series[k] = (tokens, ms, (low, high))
     plots.save(plots.time_per_step(series, where), "bench_time", res, where, out)
     per_step = {k: caches[k]["cache_bytes_per_step"] for k in METERED}
     fig = plots.bytes_per_step({k: measured(v) for k, v in per_step.items()}, where)
@@ -228,18 +235,41 @@ def figures(res: dict, out: Path) -> None:
     (out / "bench.md").write_text(table(res))
 
 
+def verdicts(res: dict, base: str = "prealloc") -> list[str]:
+    """``base`` against every other cache at each context, said only where the spreads part."""
+    out = []
+    for i, c in enumerate(res["contexts"]):
+        ours = res["caches"][base]["spread_ms"][i]
+        for k, v in res["caches"].items():
+            theirs = v["spread_ms"][i]
+            if k == base or ours is None or theirs is None:
+                continue
+            if ours[1] < theirs[0]:
+                word = "faster than"
+            elif ours[0] > theirs[1]:
+                word = "slower than"
+            else:
+                word = "within the spread of"
+            out.append(f"{c} tokens: {base} is {word} {k}")
+    return out
+
+
 def table(res: dict) -> str:
     """A Markdown table of ms/token by context, for the README (generated, not typed)."""
     head = "| cache | " + " | ".join(f"{c} tokens" for c in res["contexts"]) + " |"
     rows = [head, "|---" * (len(res["contexts"]) + 1) + "|"]
     for k, v in res["caches"].items():
-        cells = ["—" if ms is None else f"{ms:.1f}" for ms in v["ms_per_token"]]
+        cells = ["—" if ms is None else f"{ms:.1f} ({spread[0]:.1f}–{spread[1]:.1f})"
+                 for ms, spread in zip(v["ms_per_token"], v["spread_ms"])]
         rows.append(f"| {k} | " + " | ".join(cells) + " |")
-    return f"ms per decode step, {res['model']}, {res['label']}\n\n" + "\n".join(rows) + "\n"
+    how = (f"Median of {res['rounds']} rounds of {res['steps']} decode steps (each round's median "
+           "step), the min–max of the rounds in brackets; the caches in a rotated order each round.")
+    return (f"ms per decode step, {res['model']}, {res['label']}\n\n" + "\n".join(rows) + "\n\n"
+            + how + "\n\n" + "".join(f"- {v}\n" for v in verdicts(res)))
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m kvlib.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m course.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     p.add_argument("--model", default=None,
                    help="default: smollm2-135m on CPU, random:qwen3-4b on GPU")
