@@ -11,6 +11,5 @@ os.environ.setdefault("KVLIB_SAVE_FIGURES", tempfile.mkdtemp(prefix="kvlib-figur
 # that merged them ended (see that session's closing note): their stored outputs are missing or
 # stale, so nbval has nothing true to compare. Re-execute each one and take it off this list.
 collect_ignore = [
-    "notebooks/07-batches-paged-blocks.ipynb",
     "notebooks/08-quantized-and-windowed-caches.ipynb",
 ]
