@@ -224,7 +224,8 @@ def figures(res: dict, out: Path) -> None:
     plots.save(fig, "bench_bytes", per_step | {"contexts": cs}, where, out)
     ms, floor = caches["prealloc"]["ms_per_token"], res["bandwidth"]["floor_ms"]
     ok = [i for i, m in enumerate(ms) if m is not None]  # an OOM context has no point to plot
-    fig = plots.against_floor([cs[i] for i in ok], [ms[i] for i in ok], [floor[i] for i in ok], where)
+    fig = plots.against_floor([cs[i] for i in ok], [ms[i] for i in ok], [floor[i] for i in ok],
+                              where)
     plots.save(fig, "bench_floor", res["bandwidth"] | {"contexts": cs}, where, out)
     if "longest" in res:
         trace = res["longest"]["cat_trace"]
@@ -263,7 +264,8 @@ def table(res: dict) -> str:
                  for ms, spread in zip(v["ms_per_token"], v["spread_ms"])]
         rows.append(f"| {k} | " + " | ".join(cells) + " |")
     how = (f"Median of {res['rounds']} rounds of {res['steps']} decode steps (each round's median "
-           "step), the min–max of the rounds in brackets; the caches in a rotated order each round.")
+           "step), the min–max of the rounds in brackets; the caches in a rotated order each "
+           "round.")
     return (f"ms per decode step, {res['model']}, {res['label']}\n\n" + "\n".join(rows) + "\n\n"
             + how + "\n\n" + "".join(f"- {v}\n" for v in verdicts(res)))
 

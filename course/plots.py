@@ -1,10 +1,10 @@
 """One look for every plot of the course, and the figures they are saved as.
 
-Figures are built with :class:`matplotlib.figure.Figure`, not ``pyplot``: no global state, no backend
-needed (Agg-safe in CI), and a notebook shows the returned figure once instead of twice. Every plot
-carries a ``label`` saying where its numbers were measured (device, memory cap, dtype, versions), and
-:func:`save` refuses a figure that does not show it: a reference figure loaded later must say where it
-came from.
+Figures are built with :class:`matplotlib.figure.Figure`, not ``pyplot``: no global state, no
+backend needed (Agg-safe in CI), and a notebook shows the returned figure once instead of twice.
+Every plot carries a ``label`` saying where its numbers were measured (device, memory cap, dtype,
+versions), and :func:`save` refuses a figure that does not show it: a reference figure loaded later
+must say where it came from.
 """
 
 import dataclasses
@@ -57,17 +57,19 @@ def memory_vs_tokens(rows_by_name: dict[str, dict[str, list]], label: str,
                      budget_bytes: int | None = None) -> Figure:
     """Allocated (solid) and reserved (dashed) memory against tokens, one colour a series.
 
-    Each series is ``{"tokens": [...], "allocated": [...], "reserved": [...]}`` in bytes; ``reserved``
-    may be absent (the CPU has no caching allocator).
+    Each series is ``{"tokens": [...], "allocated": [...], "reserved": [...]}`` in bytes;
+    ``reserved`` may be absent (the CPU has no caching allocator).
     """
-    values = [v for r in rows_by_name.values() for k in ("allocated", "reserved") for v in r.get(k) or []]
+    values = [v for r in rows_by_name.values() for k in ("allocated", "reserved")
+              for v in r.get(k) or []]
     scale, unit = _unit(max(values + [budget_bytes or 0]))
     fig, ax = _figure("Memory while decoding", label, "tokens", unit)
     for name, rows in rows_by_name.items():
-        (line,) = ax.plot(rows["tokens"], [b / scale for b in rows["allocated"]], label=f"{name} allocated")
+        (line,) = ax.plot(rows["tokens"], [b / scale for b in rows["allocated"]],
+                          label=f"{name} allocated")
         if rows.get("reserved"):
-            ax.plot(rows["tokens"], [b / scale for b in rows["reserved"]], "--", color=line.get_color(),
-                    label=f"{name} reserved")
+            ax.plot(rows["tokens"], [b / scale for b in rows["reserved"]], "--",
+                    color=line.get_color(), label=f"{name} reserved")
     if budget_bytes is not None:
         ax.axhline(budget_bytes / scale, color="crimson", lw=1,
                    label=f"budget {budget_bytes / scale:.1f} {unit}")
@@ -77,8 +79,8 @@ def memory_vs_tokens(rows_by_name: dict[str, dict[str, list]], label: str,
 def time_per_step(series: dict[str, tuple], label: str, xlabel: str = "context (tokens)") -> Figure:
     """Milliseconds per decode step against the context it attends over, one line per series.
 
-    A series is ``(tokens, ms)`` or ``(tokens, ms, (low, high))``: the spread of the repeats, drawn as
-    a band, so a difference smaller than the noise looks like one.
+    A series is ``(tokens, ms)`` or ``(tokens, ms, (low, high))``: the spread of the repeats, drawn
+    as a band, so a difference smaller than the noise looks like one.
     """
     fig, ax = _figure("Time per decode step", label, xlabel, "ms / step")
     for name, (tokens, ms, *spread) in series.items():
@@ -91,10 +93,12 @@ def time_per_step(series: dict[str, tuple], label: str, xlabel: str = "context (
 def cumulative_bytes(series: dict[str, tuple[Sequence, Sequence]], label: str) -> Figure:
     """Running total of bytes allocated or copied (GiB) against tokens.
 
-    A ``cat`` cache copies the whole cache every step, so its total grows as the square of the tokens; a
+    A ``cat`` cache copies the whole cache every step, so its total grows as the square of the
+    tokens; a
     preallocated cache stays at zero.
     """
-    fig, ax = _figure("Bytes allocated or copied, summed over steps", label, "tokens", "cumulative GiB")
+    fig, ax = _figure("Bytes allocated or copied, summed over steps", label, "tokens",
+                      "cumulative GiB")
     for name, (tokens, per_step) in series.items():
         ax.plot(tokens, [b / GIB for b in accumulate(per_step)], label=name)
     return _finish(fig, ax)
@@ -116,7 +120,8 @@ _PARTS = (("weights", "weights", "tab:blue"), ("kv", "KV cache", "tab:orange"),
 def budget_bar(budget: Budget | list[tuple[str, Budget]], context: int, label: str) -> Figure:
     """Stacked bars, one per budget: weights, KV at ``context`` tokens, workspace, free.
 
-    Segments are annotated in GiB and the budget is a red tick. Where ``context`` does not fit, every
+    Segments are annotated in GiB and the budget is a red tick. Where ``context`` does not fit,
+    every
     segment is still drawn, past the tick, and the bar says by how much it is over.
     """
     named = [("", budget)] if isinstance(budget, Budget) else list(budget)
@@ -128,26 +133,28 @@ def budget_bar(budget: Budget | list[tuple[str, Budget]], context: int, label: s
         for part, name, color in _PARTS:
             width = max(parts[part], 0) / GIB
             ax.barh(y, width, left=left, color=color, edgecolor="white", label=name)
-            if width > 0.04 * b.budget / GIB:
+            if width > 0.075 * b.budget / GIB:  # a label needs about this much bar to stand apart
                 ax.text(left + width / 2, y, f"{width:.2f}", ha="center", va="center", fontsize=8)
             left += width
         if parts["free"] < 0:
-            ax.text(left, y, f" over by {-parts['free'] / GIB:.2f} GiB", va="center", color="crimson",
-                    fontsize=8)
+            ax.text(left, y, f" over by {-parts['free'] / GIB:.2f} GiB", va="center",
+                    color="crimson", fontsize=8)
         ax.plot([b.budget / GIB] * 2, [y - 0.45, y + 0.45], color="crimson", lw=1.5, label="budget")
         widest = max(widest, left, b.budget / GIB)
     ax.set_yticks(range(len(named)), [n for n, _ in named])
     ax.set_xlim(0, 1.25 * widest)  # room for the budget tick and the "over by" note
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))  # one entry per part, however many bars
-    fig.legend(unique.values(), unique.keys(), fontsize=8, ncols=len(unique), loc="outside lower center")
+    fig.legend(unique.values(), unique.keys(), fontsize=8, ncols=len(unique),
+               loc="outside lower center")
     return fig
 
 
 def against_floor(contexts: Sequence[int], measured_ms: Sequence[float], floor_ms: Sequence[float],
                   label: str) -> Figure:
     """Measured ms/token against the bandwidth floor, each point annotated with its MBU."""
-    fig, ax = _figure("Decode time against the bandwidth floor", label, "context (tokens)", "ms / token")
+    fig, ax = _figure("Decode time against the bandwidth floor", label, "context (tokens)",
+                      "ms / token")
     ax.plot(contexts, measured_ms, "o-", label="measured")
     ax.plot(contexts, floor_ms, "--", color="0.3", label="floor: bytes / bandwidth")
     for x, m, f in zip(contexts, measured_ms, floor_ms):
@@ -171,10 +178,11 @@ def save(fig: Figure, name: str, data: dict, label: str,
          directory: str | Path | None = None) -> tuple[Path, Path]:
     """Write ``name.png`` and ``name.json`` (``{"label", "data"}``) side by side.
 
-    The JSON holds the numbers behind the plot, so a notebook can print them with their label instead of
-    typing them in. ``directory`` defaults to ``$KVLIB_SAVE_FIGURES`` if set, else ``figures/runs/``,
-    which git ignores: a learner's run never rewrites the committed reference figures, which are
-    written only when asked for (``KVLIB_SAVE_FIGURES=figures``, or the bench's ``--out``).
+    The JSON holds the numbers behind the plot, so a notebook can print them with their label
+    instead of typing them in. ``directory`` defaults to ``$KVLIB_SAVE_FIGURES`` if set, else
+    ``figures/runs/``, which git ignores: a learner's run never rewrites the committed reference
+    figures, which are written only when asked for (``KVLIB_SAVE_FIGURES=figures``, or the bench's
+    ``--out``).
     """
     if not any(label in t.get_text() for t in fig.findobj(Text)):
         raise ValueError(f"figure {name!r} does not show its label {label!r}")
