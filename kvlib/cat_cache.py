@@ -18,8 +18,8 @@ __all__ = ["CatCache"]
 class CatCache:
     """Per-layer K/V that are replaced by a longer copy on every write.
 
-    A ``cat`` can only put new slots at the end: a write at ``start`` first drops any slots from
-    ``start`` on (as ``DynamicCache.crop`` does), and a write past the end is refused. ``max_seq`` is
+    A ``cat`` can only put new slots at the end: a write at ``start`` first drops the slots from
+    ``start`` on (as ``DynamicCache.crop`` does); a write past the end is refused. ``max_seq`` is
     ``None``: nothing bounds it but memory, which is the problem.
     """
 
@@ -31,7 +31,7 @@ class CatCache:
         if min(n_layers, n_kv_heads, head_dim) < 1:
             raise ValueError(f"bad shape: layers={n_layers} kv_heads={n_kv_heads} "
                              f"head_dim={head_dim}")
-        self.n_layers, self.n_kv_heads, self.head_dim = int(n_layers), int(n_kv_heads), int(head_dim)
+        self.n_layers, self.n_kv_heads, self.head_dim = map(int, (n_layers, n_kv_heads, head_dim))
         self._empty = torch.empty(1, self.n_kv_heads, 0, self.head_dim, dtype=dtype,
                                   device=default_device() if device is None else device)
         self.reset()
@@ -49,7 +49,8 @@ class CatCache:
 
     def reset(self) -> None:
         """New request: drop every layer's tensors (the allocator may keep the blocks)."""
-        self.k, self.v, self.seq_len = [self._empty] * self.n_layers, [self._empty] * self.n_layers, 0
+        self.k, self.v = [self._empty] * self.n_layers, [self._empty] * self.n_layers
+        self.seq_len = 0
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``[n, Hkv, D]``: allocate ``start + n`` slots, copy all."""
