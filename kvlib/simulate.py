@@ -1,16 +1,14 @@
 """A simulated card: the token loop on the ``meta`` device, under an exact ledger of live bytes.
 
 On ``meta`` ops compute shapes and allocate nothing, so the real 4B model runs on any laptop.
-:class:`Ledger` registers every new tensor storage once (by its ``StorageImpl`` address, as
-:mod:`kvlib.meter` does) with a finalizer that takes it off when freed: what
-``torch.cuda.memory_allocated`` would report, without the caching allocator's rounding, cached
-blocks and fragmentation, or a kernel's private scratch. The op that would pass the budget raises
+:class:`Ledger` registers every new storage once, with a finalizer that takes it off when freed:
+what ``torch.cuda.memory_allocated`` would report, without the allocator's rounding, cached blocks
+and fragmentation, or a kernel's private scratch. The op that would pass the budget raises
 ``torch.OutOfMemoryError``, as the card would. No timing.
 
 The trap: on ``meta``, ``scaled_dot_product_attention`` always takes the math path, which
 materialises the scores; a fused kernel does not. So :class:`kvlib.cards.Kernels` routes each call
 as torch's CUDA dispatcher would, and a fused one allocates what the kernel does.
-Shapes: B L S n Hq Hkv D V.
 """
 
 import weakref
@@ -20,7 +18,6 @@ from functools import cache
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from .budget import meta_model
 from .cards import Card, Kernels
@@ -29,7 +26,8 @@ from .cat_cache import CatCache
 from .config import GIB, MIB, kv_bytes_per_token
 from .decoder import check_supported, forward
 from .kv_cache import KVCache
-from .meter import MeteredCache
+from .memory import largest
+from .meter import MeteredCache, new_storages
 
 __all__ = ["Ledger", "Run", "fits_context", "longest_context", "simulate"]
 
@@ -53,7 +51,7 @@ def _weights(model) -> int:
 
 @cache
 def _composite(func) -> bool:
-    """Whether a card runs ``func`` as other ops (a CompositeExplicitAutograd kernel and no device
+    """Whether a card runs ``func`` as other ops (a CompositeExplicitAutograd kernel, no device
     one), whose temporaries are live together: the math path's ``_safe_softmax`` holds scores-sized
     ones."""
     has = torch._C._dispatch_has_kernel_for_dispatch_key
@@ -86,10 +84,7 @@ class Ledger(TorchDispatchMode):
                 out = func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
         else:
             out = func(*args, **kwargs)
-        seen = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor)}
-        new = {s._cdata: s for t in tree_leaves(out) if isinstance(t, torch.Tensor)
-               if (s := t.untyped_storage())._cdata not in seen and s._cdata not in self._live}
+        new = {k: s for k, s in new_storages(args, kwargs, out).items() if k not in self._live}
         request = sum(s.nbytes() for s in new.values())
         over = self.budget is not None and self.live + request > self.budget
         if request and self._counting and over:
@@ -183,13 +178,11 @@ def simulate(model, context: int, *, cache: str = "prealloc", card: Card | str =
     """Prefill ``context - decode`` tokens in chunks, then ``decode`` steps, on a simulated card.
 
     ``model``: a shipped config name, a config, or a model on ``meta``. ``card`` gives the budget
-    (its memory, unless ``budget`` bytes are given) and the compute capability that picks the
-    attention kernels; ``attention="math"`` forces the math path, ``"fused"`` a card with fused
-    ones.
-    ``tail`` runs only the last two prefill chunks and the last decode steps, from the state before
-    them (allocated outside the budget and the peak): the same peak, since the earlier steps hold
-    less, in a fraction of the time (an OOM there may have come earlier in a whole run). An OOM is
-    caught into ``run.oom``.
+    (unless ``budget`` bytes are given) and the compute capability that picks the attention
+    kernels; ``attention="math"`` forces the math path, ``"fused"`` a card with fused ones. ``tail``
+    runs only the last two chunks and decode steps, from the state before them (outside the budget
+    and the peak): the same peak, since earlier steps hold less, in a fraction of the time. An OOM
+    is caught into ``run.oom``.
     """
     if attention not in ("auto", "fused", "math") or cache not in ("prealloc", "cat"):
         raise ValueError(f"attention must be auto/fused/math and cache prealloc/cat, "
@@ -250,10 +243,9 @@ def simulate(model, context: int, *, cache: str = "prealloc", card: Card | str =
 def fits_context(model, context: int, *, prefill_chunk: int = 512, decode: int = 4, **kw) -> bool:
     """Whether every prompt up to ``context`` tokens, and its decode steps to ``context``, fit.
 
-    A prompt's peak depends on the size of its last chunk as well as on its length, so this runs
-    two prompts (as tail runs): the one that fills the context but for ``decode`` steps, and the
-    longest whose last chunk is the largest partial one (``prefill_chunk - 1`` tokens; with kvlib's
-    decoder, an unaligned mask the kernel must copy). ``kw`` as for :func:`simulate`.
+    A prompt's peak depends on the size of its last chunk as well as on its length, so this makes
+    two tail runs: the prompt that fills the context but for ``decode`` steps, and the longest whose
+    last chunk is ``prefill_chunk - 1`` tokens (an unaligned mask the kernel must copy).
     """
     model = _meta(model)
     kw.update(prefill_chunk=prefill_chunk, tail=True)
@@ -276,7 +268,4 @@ def longest_context(model, *, lo: int | None = None, hi: int | None = None, **kw
         raise ValueError(f"{hi:,} tokens fit: not an upper bound")
     if not fits_context(model, lo, **kw):
         raise ValueError(f"{lo:,} tokens do not fit: not a lower bound")
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits_context(model, mid, **kw) else (lo, mid)
-    return lo
+    return largest(lambda n: fits_context(model, n, **kw), hi, lo=lo)
