@@ -1,26 +1,20 @@
 """One forward of the token loop: n new tokens through the model, over a cache.
 
-It is written against the model's own modules (embeddings, norms, q/k/v/o projections, q/k norms where
-the model has them, the rotary embedding, the MLP, the head), so the weights, the RoPE scaling of the
-checkpoint and the numerics are the model's; only the cache and the attention call are ours.
+Written against the model's own modules (embeddings, norms, projections, rotary embedding, MLP,
+head), so the weights, the RoPE scaling and the numerics are the model's; only the cache and the
+attention call are ours. :func:`forward` is the eager step (a Python ``start``,
+exact lengths, new shapes each call); :func:`forward_static` the step a CUDA graph can capture (a
+device position, a fixed ``span`` of slots, masked). Both run one layer loop.
 
-Two entry points share one layer loop. :func:`forward` is the eager step: ``start`` is a Python int,
-attention reads exactly the slots written so far, and each call has new shapes. :func:`forward_static`
-is the step a CUDA graph can capture: the position is a device tensor and attention reads a fixed
-``span`` of slots, masking those past the position.
+A ragged batch packs every request's new tokens into one row ``[1, N]``: the projections and the MLP
+read the weights once for all, with no padding. Only attention is per request, over its own cache.
 
-A ragged batch (:func:`forward` given lists) packs every request's new tokens into one row,
-``[1, N]`` with ``N = sum(n_i)``: the projections and the MLP read the weights once for all of them,
-and there is no padding to compute or to mask. Only attention is per request: each request's queries
-read its own cache's slots, so no request can see another's tokens, whatever their lengths.
-
-Grouped-query attention is never expanded with a copy. Where a query sees every slot (a decode step),
-each KV head's group of query heads is folded into rows, ``[1, Hkv, group * n, D]``: a plain
-multi-head call every fused kernel takes, on every card. A prefill from an empty cache is causal; it
-passes ``enable_gqa`` where a fused kernel takes it (the CPU, and flash on sm >= 8.0) and is folded
-with a mask elsewhere (the math kernel would copy K/V once per query head). A chunk after earlier
-tokens is folded with a mask too. cuDNN attention is left out on CUDA: it builds a plan for every new
-shape, and an eager decode step has a new length every step.
+Grouped-query attention is never expanded with a copy. Where a query sees every slot (a decode
+step), each KV head's group of query heads is folded into rows, ``[1, Hkv, group * n, D]``: a plain
+multi-head call every fused kernel takes. A prefill from an empty cache is causal and passes
+``enable_gqa`` where a fused kernel takes it (the CPU, flash on sm >= 8.0); elsewhere, and for a
+chunk after earlier tokens, it is folded with a mask (the math kernel would copy K/V per query
+head). cuDNN attention is left out: it builds a plan for every new shape, i.e. every eager step.
 """
 
 import functools
@@ -44,44 +38,46 @@ _PARTS = {
     "decoder layer": ({"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}, set()),
     "attention": ({"q_proj", "k_proj", "v_proj", "o_proj"}, {"q_norm", "k_norm"}),
 }
-_CONFIG_REFUSED = {  # config attribute -> what the loop would get wrong, unless the value is neutral
-    "attn_logit_softcapping": "soft-capped attention logits", "final_logit_softcapping": "soft-capped logits",
+_CONFIG_REFUSED = {  # config attribute -> what the loop would get wrong, unless it is neutral
+    "attn_logit_softcapping": "soft-capped attention logits", "clip_qkv": "clipped q/k/v",
+    "final_logit_softcapping": "soft-capped logits", "logits_scaling": "scaled logits",
     "embedding_multiplier": "scaled embeddings", "residual_multiplier": "scaled residuals",
-    "logits_scaling": "scaled logits", "clip_qkv": "clipped q/k/v",
 }
 
 
 def _parts(module) -> set[str]:
-    return {n for n, _ in module.named_children()} | {n for n, _ in module.named_parameters(recurse=False)}
+    return {n for n, _ in [*module.named_children(), *module.named_parameters(recurse=False)]}
 
 
 def check_supported(model, window: int | None = None) -> None:
     """Refuse, by what it contains, a model this loop would compute wrongly.
 
     Any family built from the parts above runs (Llama, Mistral, Qwen2, Qwen3, Gemma, ...); the error
-    names the part that is not. Sliding-window layers run over a cache of their ``window`` (a
-    :class:`~kvlib.ring_cache.RingCache`'s); a window on a full-attention model is the caller's
-    choice.
+    names the part that is not. Sliding-window layers run over a ``RingCache`` of their ``window``;
+    a window on a full-attention model is the caller's choice.
     """
     config, body = model.config, getattr(model, "model", None)
     layer = body.layers[0] if body is not None and len(getattr(body, "layers", ())) else None
-    modules = {"model": body, "decoder layer": layer, "attention": getattr(layer, "self_attn", None)}
-    for where, (must, may) in _PARTS.items():
-        have = set() if modules[where] is None else _parts(modules[where])
+    attention = getattr(layer, "self_attn", None)
+    who = f"{type(model).__name__} ({config.model_type!r})"
+    for where, module in (("model", body), ("decoder layer", layer), ("attention", attention)):
+        must, may = _PARTS[where]
+        have = set() if module is None else _parts(module)
         if extra := sorted(have - must - may):
-            raise NotImplementedError(f"{type(model).__name__} ({config.model_type!r}): its {where} has "
-                                      f"{extra}, which kvlib's token loop does not compute")
+            raise NotImplementedError(f"{who}: its {where} has {extra}, which kvlib's token loop "
+                                      f"does not compute")
         if missing := sorted(must - have):
-            raise NotImplementedError(f"{type(model).__name__} ({config.model_type!r}): its {where} lacks "
-                                      f"{missing}, which kvlib's token loop needs")
+            raise NotImplementedError(f"{who}: its {where} lacks {missing}, which kvlib's token "
+                                      f"loop needs")
     for attr, what in _CONFIG_REFUSED.items():
-        if getattr(config, attr, None) not in (None, 1, 1.0):
-            raise NotImplementedError(f"{config.model_type!r} has {what} ({attr}={getattr(config, attr)}); "
+        if (value := getattr(config, attr, None)) not in (None, 1, 1.0):
+            raise NotImplementedError(f"{config.model_type!r} has {what} ({attr}={value}); "
                                       f"kvlib's token loop does not compute them")
-    _rope_of(type(modules["attention"]))
+    _rope_of(type(attention))
     if 0 in (getattr(config, "no_rope_layers", None) or []):
         raise NotImplementedError(f"{config.model_type!r} has layers without RoPE (no_rope_layers="
-                                  f"{config.no_rope_layers}); kvlib's token loop rotates every layer")
+                                  f"{config.no_rope_layers}); kvlib's token loop rotates every "
+                                  f"layer")
     kinds = getattr(config, "layer_types", None) or []
     windowed = [t for t in kinds if t != "full_attention"]
     if windowed and (len(windowed) < len(kinds) or windowed[0] != "sliding_attention"):
@@ -98,7 +94,7 @@ def check_supported(model, window: int | None = None) -> None:
 
 @functools.cache
 def _gqa_fused(device: torch.device) -> bool:
-    """Does a fused kernel take ``enable_gqa`` here? The CPU's flash and CUDA flash (sm >= 8.0) do."""
+    """Does a fused kernel take ``enable_gqa`` here? The CPU's flash and CUDA's (sm >= 8.0) do."""
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
 
 
@@ -133,8 +129,9 @@ def _rope_of(attention_class: type) -> Callable:
     """The model's own ``apply_rotary_pos_emb``: rotate-half or interleaved, partial or whole."""
     rope = getattr(sys.modules[attention_class.__module__], "apply_rotary_pos_emb", None)
     if rope is None:
-        raise NotImplementedError(f"{attention_class.__name__}'s module has no apply_rotary_pos_emb; "
-                                  f"kvlib's token loop applies the model's own RoPE")
+        raise NotImplementedError(f"{attention_class.__name__}'s module has no "
+                                  f"apply_rotary_pos_emb; kvlib's token loop applies the model's "
+                                  f"own RoPE")
     return rope
 
 
@@ -234,12 +231,13 @@ def forward(model, ids, cache, start) -> torch.Tensor:
 
 
 @torch.no_grad()
-def forward_static(model, token: torch.Tensor, cache: Cache, pos: torch.Tensor, span: int) -> torch.Tensor:
+def forward_static(model, token: torch.Tensor, cache: Cache, pos: torch.Tensor,
+                   span: int) -> torch.Tensor:
     """One token ``[1, 1]`` at the device position ``pos`` ``[1]``, reading ``span`` slots, masked.
 
-    Every shape is fixed by ``span``, and nothing reads ``pos`` on the host, so a CUDA graph can
-    capture this call and replay it at any position below ``span``. For the same reason it cannot set
-    ``cache.seq_len``: the caller, who knows the position on the host, does (:class:`StaticStep`).
+    Every shape is fixed by ``span`` and nothing reads ``pos`` on the host, so a CUDA graph can
+    replay it at any position below ``span``. For the same reason the caller, who knows the position
+    on the host, sets ``cache.seq_len`` (``StaticStep`` does).
     """
     visible = (torch.arange(span, device=token.device) <= pos).view(1, span)
     step = _Pass(rows=slice(0, 1), cache=cache, end=span, causal=False, mask=_mask(model, visible),
