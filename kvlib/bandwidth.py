@@ -1,9 +1,7 @@
 """The memory-bandwidth limit of decoding.
 
-A decode step does little arithmetic per byte: every weight is read once to produce one token, and
-every cached K/V of the context is read once by attention. So a step cannot take less than
-``decode_bytes / bandwidth`` seconds, whatever the kernels do. Measured time over that floor is the
-memory bandwidth utilisation (MBU) of the token loop.
+A decode step reads every weight once and every cached K/V once, for little arithmetic per byte, so
+it cannot take less than ``decode_bytes / bandwidth``, whatever the kernels do.
 """
 
 import torch
@@ -21,9 +19,8 @@ def decode_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int,
                  batch: int = 1) -> int:
     """Bytes one decode step must move: all weights once, plus the K/V of ``context`` tokens.
 
-    The embedding lookup reads one row per sequence, not the table: a tied table is read whole once,
-    as the output head; an untied one only for its ``batch`` rows. Activations and the new token's
-    K/V write are left out: small, and this is a floor.
+    An untied embedding table is read only for its ``batch`` rows (a tied one whole, as the head).
+    Activations and the new token's K/V write are left out: small, and this is a floor.
     """
     embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
     weights = (param_count(config) - embedding + batch * config.hidden_size) * dtype.itemsize
@@ -32,12 +29,8 @@ def decode_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int,
 
 def step_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int,
                cache: str = "prealloc", batch: int = 1) -> int:
-    """Bytes a decode step at ``context`` moves with a ``"prealloc"`` or a ``"cat"`` cache.
-
-    Both read :func:`decode_bytes`. A ``cat`` cache also copies itself into a longer tensor at
-    every step, K and V of every layer: it reads the whole cache and writes it again, ``2 * KV``
-    more.
-    """
+    """Bytes a decode step at ``context`` moves: :func:`decode_bytes`, and for a ``"cat"`` cache
+    ``2 * KV`` more, as it reads its whole cache and writes it again into a longer tensor."""
     if cache not in ("prealloc", "cat"):
         raise ValueError(f"cache must be 'prealloc' or 'cat', not {cache!r}")
     copy_bytes = 2 * kv_bytes_per_token(config, dtype, batch) * context if cache == "cat" else 0
@@ -48,13 +41,9 @@ def twin_config(base: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
                 context: int = 4096, like: str = "qwen3-4b",
                 like_dtype: torch.dtype = torch.bfloat16,
                 like_context: int = 32768) -> PretrainedConfig:
-    """``base`` with its MLP resized so that at ``context`` its KV is to its weights, in bytes a
-    decode step reads, as ``like``'s at ``like_context``.
-
-    Decode time is bytes over bandwidth, so two models with the same KV-to-weights ratio have the
-    same ``cat`` / ``prealloc`` ratio of :func:`step_bytes`: a twin small enough for a CPU shows the
-    gap a 12 GB card at its limit would, and times it (random weights: only bytes and time matter).
-    """
+    """``base`` with its MLP resized so that at ``context`` its KV is to its weights as
+    ``like``'s at ``like_context``: the same ``cat`` / ``prealloc`` ratio of :func:`step_bytes`,
+    in a model small enough to time on a CPU."""
     def kv_over_weights(config, dt, ctx):
         weights = decode_bytes(config, dt, 0)
         return (decode_bytes(config, dt, ctx) - weights) / weights
@@ -75,13 +64,9 @@ def twin_config(base: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
 
 def measure_bandwidth(device: torch.device | str, nbytes: int | None = None,
                       repeats: int = 5) -> float:
-    """Achievable bandwidth in bytes/s: a large device-to-device copy, timed.
-
-    A copy reads ``nbytes`` and writes ``nbytes``, so it moves ``2 * nbytes``. The buffers (256 MiB
-    on CUDA, 64 MiB on CPU by default) are far larger than the processor's on-chip caches, so this
-    is memory bandwidth. It is what a copy achieves, a little under the datasheet number, and the
-    fair yardstick for a decode step, which is also a stream of reads.
-    """
+    """Achievable bandwidth in bytes/s: a copy of ``2 * nbytes`` moved, timed. The buffers are
+    far larger than on-chip caches, and a copy, like a decode step, is a stream of reads: a little
+    under the datasheet number, and the fair yardstick."""
     device = torch.device(device)
     if nbytes is None:
         nbytes = (256 if device.type == "cuda" else 64) * MIB
