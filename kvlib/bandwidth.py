@@ -17,11 +17,9 @@ __all__ = ["decode_bytes", "floor_s_per_token", "mbu", "measure_bandwidth", "ste
 
 def decode_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int,
                  batch: int = 1) -> int:
-    """Bytes one decode step must move: all weights once, plus the K/V of ``context`` tokens.
-
-    An untied embedding table is read only for its ``batch`` rows (a tied one whole, as the head).
-    Activations and the new token's K/V write are left out: small, and this is a floor.
-    """
+    """Bytes one decode step must move: all weights once, plus the K/V of ``context`` tokens. An
+    untied embedding table is read only for its ``batch`` rows (a tied one whole, as the head).
+    Activations and the new token's K/V write are left out: small, and this is a floor."""
     embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
     weights = (param_count(config) - embedding + batch * config.hidden_size) * dtype.itemsize
     return weights + kv_bytes_per_token(config, dtype, batch) * context

@@ -119,12 +119,10 @@ def workspace_bytes(config: PretrainedConfig, dtype: torch.dtype, tokens: int = 
 def run_workspace(config: PretrainedConfig, dtype: torch.dtype, context: int,
                   prefill_chunk: int = 512, batch: int = 1, *, attention: str = "fused",
                   cache: str = "prealloc") -> int:
-    """What a run to ``context`` tokens holds at its peak beyond the weights and their KV.
-
-    The worst of its moments, whatever the prompt's length: the last full prefill chunk, a last
-    partial one ending at ``context``, a decode step. A preallocated cache holds all ``context``
-    slots throughout; a ``cat`` cache only the tokens so far, so its prefill holds less KV.
-    """
+    """What a run to ``context`` tokens holds at its peak beyond the weights and their KV. The worst
+    of its moments, whatever the prompt's length: the last full prefill chunk, a last partial one
+    ending at ``context``, a decode step. A preallocated cache holds all ``context`` slots
+    throughout; a ``cat`` cache only the tokens so far, so its prefill holds less KV."""
     kv = kv_bytes_per_token(config, dtype, batch)
     full, worst = context // prefill_chunk * prefill_chunk, 0
     for end, tokens in ((full, prefill_chunk), (context, context - full), (context, 1)):

@@ -46,10 +46,8 @@ def bytes_per_token(cache: Cache) -> int:
 
 
 def check_kv(cache: Cache, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> int:
-    """Refuse a write that would be wrong, before anything is written; return its end slot.
-
-    Shared by every cache, so they all refuse the same things with the same words.
-    """
+    """Refuse a write that would be wrong, before anything is written; return its end slot. Shared
+    by every cache, so they all refuse the same things with the same words."""
     if not 0 <= layer < cache.n_layers:
         raise IndexError(f"layer {layer} out of range for n_layers={cache.n_layers}")
     if start < 0:

@@ -16,12 +16,10 @@ __all__ = ["CatCache"]
 
 
 class CatCache:
-    """Per-layer K/V that are replaced by a longer copy on every write.
-
-    A ``cat`` can only put new slots at the end: a write at ``start`` first drops the slots from
-    ``start`` on (as ``DynamicCache.crop`` does); a write past the end is refused. ``max_seq`` is
-    ``None``: nothing bounds it but memory, which is the problem.
-    """
+    """Per-layer K/V that are replaced by a longer copy on every write. A ``cat`` can only put new
+    slots at the end: a write at ``start`` first drops the slots from ``start`` on (as
+    ``DynamicCache.crop`` does); a write past the end is refused. ``max_seq`` is ``None``: nothing
+    bounds it but memory, which is the problem."""
 
     max_seq = None
 

@@ -31,12 +31,10 @@ def _rss() -> int:
 
 
 def memory_stats(device: torch.device | str) -> dict[str, int]:
-    """Bytes, now. CUDA: allocator and driver view; anything else: ``rss``.
-
-    ``device_used`` is the driver's ``total - free`` for the whole card, so ``outside_allocator =
-    device_used - reserved`` is the CUDA context, workspaces the allocator does not own, and any
-    other process on the card: what ``nvidia-smi`` shows beyond ``reserved``.
-    """
+    """Bytes, now. CUDA: allocator and driver view; anything else: ``rss``. ``device_used`` is the
+    driver's ``total - free`` for the whole card, so ``outside_allocator = device_used - reserved``
+    is the CUDA context, workspaces the allocator does not own, and any other process on the card:
+    what ``nvidia-smi`` shows beyond ``reserved``."""
     device = resolve(device)
     if device.type != "cuda":
         return {"rss": _rss()}
@@ -78,11 +76,9 @@ def free(device: torch.device | str) -> None:
 
 
 def largest(fits, hi: int, first: int | None = None, lo: int = 0) -> int:
-    """The largest ``n < hi`` with ``fits(n)``, by bisection: about ``log2(hi - lo)`` calls.
-
-    Assumes that what fits at ``n`` fits below ``n``, that ``lo`` fits (0: nothing may) and ``hi``
-    does not. ``first`` (the plan) is tried first, so the search goes on above or below it.
-    """
+    """The largest ``n < hi`` with ``fits(n)``, by bisection: about ``log2(hi - lo)`` calls. Assumes
+    that what fits at ``n`` fits below ``n``, that ``lo`` fits (0: nothing may) and ``hi`` does not.
+    ``first`` (the plan) is tried first, so the search goes on above or below it."""
     n = first
     while hi - lo > 1:
         if n is None or not lo < n < hi:
@@ -115,12 +111,10 @@ class Cap:
 
 
 def cap_memory(gib: float, device: torch.device | str) -> Cap:
-    """Emulate a ``gib``-GiB card on a bigger one by capping the caching allocator.
-
-    The allocator raises OOM once ``reserved`` would pass the cap. The CUDA context is not counted,
-    so the emulation is a little more generous than a real card, whose context eats into the same
-    memory (:func:`allocator_budget` sees it). On a card no bigger than the cap, the cap is lifted.
-    """
+    """Emulate a ``gib``-GiB card on a bigger one by capping the caching allocator. The allocator
+    raises OOM once ``reserved`` would pass the cap. The CUDA context is not counted, so the
+    emulation is a little more generous than a real card, whose context eats into the same memory
+    (:func:`allocator_budget` sees it). On a card no bigger than the cap, the cap is lifted."""
     device = resolve(device)
     if device.type != "cuda":
         return Cap(gib, None, None, False,

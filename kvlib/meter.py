@@ -45,12 +45,10 @@ def new_storages(args, kwargs, out) -> dict[int, torch.UntypedStorage]:
 
 
 class AllocMeter(TorchDispatchMode):
-    """Sum the storage bytes of every new tensor produced while active.
-
-    ``total``/``count`` cover the meter's whole life; ``by_op`` and ``by_region`` split them by
-    aten overload and by region; ``mark()`` closes a step into ``steps`` and ``step_regions``.
-    Re-entering keeps the totals and starts a fresh step.
-    """
+    """Sum the storage bytes of every new tensor produced while active. ``total``/``count`` cover
+    the meter's whole life; ``by_op`` and ``by_region`` split them by aten overload and by region;
+    ``mark()`` closes a step into ``steps`` and ``step_regions``. Re-entering keeps the totals and
+    starts a fresh step."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -98,12 +96,10 @@ class AllocMeter(TorchDispatchMode):
 
 
 class MeteredCache:
-    """A cache whose ``write``/``view`` are metered under the region ``"cache"``.
-
-    Under ``with meter:`` it separates what the *cache* allocates per step (0 for ``KVCache``, the
-    whole cache for a ``cat`` cache) from the model's activations. Every other attribute, read or
-    written (the loop advances ``seq_len``), is the wrapped cache's.
-    """
+    """A cache whose ``write``/``view`` are metered under the region ``"cache"``. Under
+    ``with meter:`` it separates what the *cache* allocates per step (0 for ``KVCache``, the whole cache
+    for a ``cat`` cache) from the model's activations. Every other attribute, read or written (the
+    loop advances ``seq_len``), is the wrapped cache's."""
 
     def __init__(self, cache: Cache, meter: AllocMeter) -> None:
         object.__setattr__(self, "cache", cache)
@@ -130,11 +126,9 @@ class MeteredCache:
 
 
 def cache_bytes_per_step(model, context: int, kind: str) -> int:
-    """Bytes the cache allocates in the decode step that writes slot ``context`` (the meter).
-
-    The cache is filled with ``context`` slots of zeros first: what a step allocates depends on how
-    much the cache holds, not on what.
-    """
+    """Bytes the cache allocates in the decode step that writes slot ``context`` (the meter). The
+    cache is filled with ``context`` slots of zeros first: what a step allocates depends on how much
+    the cache holds, not on what."""
     config, device, dtype = model.config, model.device, model.dtype
     if kind == "prealloc":
         cache = KVCache.for_model(config, context + 1, device=device, dtype=dtype)

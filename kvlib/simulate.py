@@ -59,13 +59,11 @@ def _composite(func) -> bool:
 
 
 class Ledger(TorchDispatchMode):
-    """Live tensor bytes, op by op, under an optional ``budget``.
-
-    ``start`` is the balance alive before entering (the weights), in region ``"weights"``;
-    ``by_region`` holds the live bytes of each region, ``at_peak`` a copy taken at the peak.
-    ``mark(tokens)`` closes a step of ``timeline`` (cache length, live, peak of the step);
-    ``trace=True`` also records ``(op, live)`` after every op that allocates.
-    """
+    """Live tensor bytes, op by op, under an optional ``budget``. ``start`` is the balance alive
+    before entering (the weights), in region ``"weights"``; ``by_region`` holds the live bytes of
+    each region, ``at_peak`` a copy taken at the peak. ``mark(tokens)`` closes a step of
+    ``timeline`` (cache length, live, peak of the step); ``trace=True`` also records ``(op, live)``
+    after every op that allocates."""
 
     def __init__(self, budget: int | None = None, start: int = 0, trace: bool = False) -> None:
         super().__init__()
@@ -176,14 +174,12 @@ def simulate(model, context: int, *, cache: str = "prealloc", card: Card | str =
              budget: int | None = None, attention: str = "auto", prefill_chunk: int = 512,
              decode: int = 4, tail: bool = False, trace: bool = False) -> Run:
     """Prefill ``context - decode`` tokens in chunks, then ``decode`` steps, on a simulated card.
-
     ``model``: a shipped config name, a config, or a model on ``meta``. ``card`` gives the budget
-    (unless ``budget`` bytes are given) and the compute capability that picks the attention
-    kernels; ``attention="math"`` forces the math path, ``"fused"`` a card with fused ones. ``tail``
-    runs only the last two chunks and decode steps, from the state before them (outside the budget
-    and the peak): the same peak, since earlier steps hold less, in a fraction of the time. An OOM
-    is caught into ``run.oom``.
-    """
+    (unless ``budget`` bytes are given) and the compute capability that picks the attention kernels;
+    ``attention="math"`` forces the math path, ``"fused"`` a card with fused ones. ``tail`` runs
+    only the last two chunks and decode steps, from the state before them (outside the budget and
+    the peak): the same peak, since earlier steps hold less, in a fraction of the time. An OOM is
+    caught into ``run.oom``."""
     if attention not in ("auto", "fused", "math") or cache not in ("prealloc", "cat"):
         raise ValueError(f"attention must be auto/fused/math and cache prealloc/cat, "
                          f"not {attention!r}, {cache!r}")
@@ -241,12 +237,10 @@ def simulate(model, context: int, *, cache: str = "prealloc", card: Card | str =
 
 
 def fits_context(model, context: int, *, prefill_chunk: int = 512, decode: int = 4, **kw) -> bool:
-    """Whether every prompt up to ``context`` tokens, and its decode steps to ``context``, fit.
-
-    A prompt's peak depends on the size of its last chunk as well as on its length, so this makes
-    two tail runs: the prompt that fills the context but for ``decode`` steps, and the longest whose
-    last chunk is ``prefill_chunk - 1`` tokens (an unaligned mask the kernel must copy).
-    """
+    """Whether every prompt up to ``context`` tokens, and its decode steps to ``context``, fit. A
+    prompt's peak depends on the size of its last chunk as well as on its length, so this makes two
+    tail runs: the prompt that fills the context but for ``decode`` steps, and the longest whose
+    last chunk is ``prefill_chunk - 1`` tokens (an unaligned mask the kernel must copy)."""
     model = _meta(model)
     kw.update(prefill_chunk=prefill_chunk, tail=True)
     prompt = context - decode
