@@ -1,14 +1,9 @@
 """The memory budget, computed before anything runs.
 
-A decoding model's memory is the weights (fixed), the KV cache (:func:`kv_bytes_per_token` more with
-every token) and a transient workspace for one forward. All three follow from the config by
-arithmetic, so the longest context that fits is known before a byte is allocated: the largest with
-
-    weights + kv_bytes_per_token * context + workspace(context) <= budget
-
-The workspace grows with the context too: a prefill chunk attends to every cached token through a
-mask (on the math path, scores) with a column per token. The arithmetic is checked against the real
-architecture on the ``meta`` device (:mod:`kvlib.simulate`).
+Weights, KV (:func:`kv_bytes_per_token` per token) and a forward's transient workspace all follow
+from the config by arithmetic, so the longest context that fits is known before a byte is
+allocated: the largest with ``weights + kv_bytes_per_token * context + workspace(context) <=
+budget``. The workspace grows with the context too (a mask column per cached token).
 """
 
 from collections.abc import Callable

@@ -1,20 +1,16 @@
 """One forward of the token loop: n new tokens through the model, over a cache.
 
-Written against the model's own modules (embeddings, norms, projections, rotary embedding, MLP,
-head), so the weights, the RoPE scaling and the numerics are the model's; only the cache and the
-attention call are ours. :func:`forward` is the eager step (a Python ``start``,
-exact lengths, new shapes each call); :func:`forward_static` the step a CUDA graph can capture (a
-device position, a fixed ``span`` of slots, masked). Both run one layer loop.
+Written against the model's own modules, so the weights, the RoPE scaling and the numerics are the
+model's; only the cache and the attention call are ours. :func:`forward` is the eager step;
+:func:`forward_static` the one a CUDA graph can capture (a device position, a fixed ``span`` of
+slots, masked). A ragged batch packs every request's tokens into one row ``[1, N]``, so the weights
+are read once for all, with no padding; only attention is per request, over its own cache.
 
-A ragged batch packs every request's new tokens into one row ``[1, N]``: the projections and the MLP
-read the weights once for all, with no padding. Only attention is per request, over its own cache.
-
-Grouped-query attention is never expanded with a copy. Where a query sees every slot (a decode
-step), each KV head's group of query heads is folded into rows, ``[1, Hkv, group * n, D]``: a plain
-multi-head call every fused kernel takes. A prefill from an empty cache is causal and passes
-``enable_gqa`` where a fused kernel takes it (the CPU, flash on sm >= 8.0); elsewhere, and for a
-chunk after earlier tokens, it is folded with a mask (the math kernel would copy K/V per query
-head). cuDNN attention is left out: it builds a plan for every new shape, i.e. every eager step.
+Grouped-query attention is never expanded with a copy. Where a query sees every slot (decode), each
+KV head's group of query heads is folded into rows, ``[1, Hkv, group * n, D]``: a plain multi-head
+call every fused kernel takes. A prefill from an empty cache is causal with ``enable_gqa`` where a
+fused kernel takes it (the CPU, flash on sm >= 8.0); otherwise it is folded with a mask (the math
+kernel would copy K/V per query head). cuDNN attention is off: it plans every new shape.
 """
 
 import functools

@@ -1,17 +1,11 @@
 """Preallocated KV. The cache is written in place and never grown.
 
-A ``cat`` along the length axis on every decode step reallocates and copies the whole cache: bytes
-per step grow with the context, in total quadratically, and a card runs out well before the
-arithmetic said it would. So the shape is fixed when the cache is made, ``k, v: [L, S, Hkv, D]``,
-and a step does ``k[layer, t] = k_new``: one copy into an existing slot, never a ``torch.cat``.
-
-Where the bytes physically sit is a separate choice, ``layout``; ``k``/``v`` keep the logical shape
-either way, so the layout changes strides, never results:
-
-- ``"head"`` (default): storage ``[L, Hkv, S, D]``. Each head's ``[S, D]`` block is contiguous, so
-  the view SDPA gets is as good as a contiguous tensor. The write is a strided copy of a few KiB.
-- ``"seq"``: storage in the logical order, the original design. The write is one contiguous copy,
-  but SDPA reads each head's keys ``Hkv * D`` elements apart, which CPU kernels read more slowly.
+A ``cat`` along the length axis on every step reallocates and copies the whole cache, so a card
+runs out well before the arithmetic said. Here the shape is fixed when the cache is made,
+``k, v: [L, S, Hkv, D]``, and a step does ``k[layer, t] = k_new``: one copy into an existing slot.
+``layout`` chooses where the bytes sit, which changes strides, never results: ``"head"`` (default)
+stores ``[L, Hkv, S, D]``, so each head's ``[S, D]`` block SDPA reads is contiguous; ``"seq"``, the
+original design, stores the logical order: one contiguous write, but keys ``Hkv * D`` apart.
 """
 
 import torch

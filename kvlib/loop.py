@@ -46,7 +46,6 @@ class _NoTimer:
     times_s = None
 
     def start(self) -> None: ...
-
     def stop(self) -> None: ...
 
 
@@ -161,8 +160,7 @@ def generate(model, input_ids, max_new_tokens, *, cache="prealloc",
     decode = _decode_step(model, caches[0], step, bucket)
     if eos_token_id == "auto":
         eos_token_id = model.generation_config.eos_token_id
-    eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device).long()
-    eos = eos.reshape(-1)
+    eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device).long().view(-1)
     generator = None
     if temperature > 0:
         generator = torch.Generator(device).manual_seed(0 if seed is None else seed)

@@ -1,14 +1,10 @@
 """Bytes allocated, counted op by op, on any device.
 
-A ``cat`` cache's step ``t`` allocates a new ``[..., t+1, ...]`` tensor and copies the old one into
-it. To check such claims on a laptop and in CI, the meter sits at the aten dispatch level (a
-``TorchDispatchMode``), not in the CUDA allocator: every op's outputs pass through it on CPU, CUDA
-and ``meta`` alike, so a CPU test can hold the numbers fixed.
-
-An output counts when its storage is *new*, no input's: a view or an in-place write counts 0,
-``torch.cat`` its whole result. Storages are told apart by their ``StorageImpl`` address, not by
-``data_ptr``, which is 0 for every ``meta`` tensor. Not seen: a kernel's private scratch, and what
-the caching allocator does with the bytes (rounding, caching; :mod:`kvlib.memory`'s job).
+The meter sits at the aten dispatch level (a ``TorchDispatchMode``), not in the CUDA allocator, so
+the same numbers come out on CPU, CUDA and ``meta`` and a CPU test can hold them fixed. An output
+counts when its storage is *new*, no input's: a view or an in-place write counts 0, ``torch.cat``
+its whole result. Storages are told apart by their ``StorageImpl``, not ``data_ptr`` (0 on
+``meta``). Not seen: a kernel's private scratch, and the allocator's rounding and caching.
 """
 
 from collections.abc import Iterator

@@ -1,16 +1,11 @@
 """Paged KV: many requests share one pool of fixed-size blocks.
 
-A slab of ``max_seq`` slots per request reserves the longest request the server accepts for every
-request. A pool gives a request a block of ``block`` slots when its tokens reach it and takes them
-back at ``reset()``: a request holds its length rounded up to a block. Its block table maps logical
-block ``i`` to a physical block; one block id spans every layer: ``k, v: [L, Hkv, blocks, block,
-D]``, a layer being the layout PyTorch's paged FlexAttention reads in place.
-
-SDPA cannot follow a block table, so :meth:`PagedCache.view` gathers the request's blocks into a
-contiguous ``[1, Hkv, S, D]``: the context copied in every layer of every step, like ``cat``'s copy
-though freed at once; only a kernel that follows the table removes it. :meth:`PagedCache.fork`
-starts a request on another's blocks (reference counts); the first write into a shared block copies
-it, so a shared prefix is stored once.
+A slab of ``max_seq`` slots per request reserves the longest request for every request; a request
+on a pool holds its length rounded up to a block, and gives its blocks back at ``reset()``. One
+block id spans every layer: ``k, v: [L, Hkv, blocks, block, D]``, the layout PyTorch's paged
+FlexAttention reads. SDPA cannot follow a block table, so :meth:`PagedCache.view` gathers the
+request's blocks, a copy per layer and step that only a kernel reading the table removes.
+:meth:`PagedCache.fork` shares blocks (reference counts, copy on write): a prefix is stored once.
 """
 
 import torch

@@ -1,15 +1,11 @@
 """A sliding-window cache: a ring of slots, so memory stops growing at the window.
 
-Under sliding-window attention a query at ``p`` sees the keys at ``p - W < q <= p``, itself
-included (``transformers``: ``kv_idx > q_idx - sliding_window``), so position ``p`` may take the
-slot of ``p - W``: ``slot = p % W``. Only the slot index wraps: RoPE rotated each key by its
-absolute position before it was written, and attention, a sum over keys, ignores the slots' order.
-
-A decode step writes its slot and reads every held slot, all in its window: no mask, nothing
-allocated. A chunk of ``n > 1`` tokens would overwrite keys its first queries need, so it first
-copies the held slots in position order with the chunk after them; the layer's next ``view`` hands
-out that copy once, and :meth:`RingCache.visible` says which of its keys each query sees. ``sinks``
-keeps the first positions beside the ring (StreamingLLM: full-attention models lean on them).
+Under sliding-window attention a query at ``p`` sees the keys at ``p - W < q <= p``, so position
+``p`` may take the slot of ``p - W``: ``slot = p % W``. Only the slot index wraps: RoPE rotated
+each key by its absolute position before it was written, and attention ignores the slots' order.
+A chunk of ``n > 1`` tokens would overwrite keys its first queries need, so it first copies the
+held slots in position order with the chunk after them, and :meth:`RingCache.visible` says which
+keys each query sees. ``sinks`` keeps the first positions beside the ring (StreamingLLM).
 """
 
 import torch

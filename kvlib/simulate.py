@@ -1,14 +1,10 @@
 """A simulated card: the token loop on the ``meta`` device, under an exact ledger of live bytes.
 
-On ``meta`` ops compute shapes and allocate nothing, so the real 4B model runs on any laptop.
-:class:`Ledger` registers every new storage once, with a finalizer that takes it off when freed:
-what ``torch.cuda.memory_allocated`` would report, without the allocator's rounding, cached blocks
-and fragmentation, or a kernel's private scratch. The op that would pass the budget raises
-``torch.OutOfMemoryError``, as the card would. No timing.
-
-The trap: on ``meta``, ``scaled_dot_product_attention`` always takes the math path, which
-materialises the scores; a fused kernel does not. So :class:`kvlib.cards.Kernels` routes each call
-as torch's CUDA dispatcher would, and a fused one allocates what the kernel does.
+On ``meta`` nothing is allocated, so the real 4B model runs on any laptop. :class:`Ledger` counts
+every new storage until it is freed: ``torch.cuda.memory_allocated`` without the allocator's
+rounding, caching or fragmentation; the op that would pass the budget raises an OOM. No timing.
+On ``meta`` SDPA always takes the math path, which materialises the scores; so
+:class:`kvlib.cards.Kernels` routes each call as torch's CUDA dispatcher would.
 """
 
 import weakref
