@@ -133,8 +133,7 @@ class Budget:
     """Bytes of a memory budget: fixed weights, KV per token, and ``workspace_at(context)``, what a
     run to that context holds at its peak beyond them. ``max_context`` and the ``workspace`` there
     are computed once, and are what ``asdict`` stores. ``budget`` is what the caching allocator may
-    hold (the CUDA context lies outside it).
-    """
+    hold (the CUDA context lies outside it)."""
 
     weights: int
     kv_per_token: int

@@ -41,8 +41,7 @@ def allocator_settings(device: torch.device | str) -> dict:
     """What the CUDA caching allocator is running with, asked of the allocator, not of the
     environment: ``config`` is the option string it last parsed, ``expandable_segments`` is read
     from the live segments when there are any (a setting the platform cannot honour is not on).
-    Older torch releases return what they can; ``{}`` off CUDA.
-    """
+    Older torch releases return what they can; ``{}`` off CUDA."""
     device = resolve(device)
     if device.type != "cuda":
         return {}

@@ -131,11 +131,10 @@ def cap_memory(gib: float, device: torch.device | str) -> Cap:
 
 
 def allocator_budget(device: torch.device | str, cap: Cap | None = None) -> int | None:
-    """Bytes the caching allocator can hold in all, now: what it holds plus what the card has
-    free, never more than an active cap; ``None`` off CUDA. The budget to plan against once the
-    model is loaded: the CUDA context and other processes take some of the card, and only the
-    driver's ``free`` sees them.
-    """
+    """Bytes the caching allocator can hold in all, now: what it holds plus what the card has free,
+    never more than an active cap; ``None`` off CUDA. The budget to plan against once the model is
+    loaded: the CUDA context and other processes take some of the card, and only the driver's
+    ``free`` sees them."""
     device = resolve(device)
     if device.type != "cuda":
         return None
@@ -149,8 +148,7 @@ def memory_snapshot(path: str | os.PathLike, max_entries: int = 100_000, *,
     """Record every allocator event in the block and dump them to ``path``, which opens in
     https://pytorch.org/memory_viz; even when the block raises (an OOM is the best moment for a
     snapshot). Yields True while recording; off CUDA it records nothing, writes no file and yields
-    False, so a notebook keeps one code path.
-    """
+    False, so a notebook keeps one code path."""
     if resolve(device or default_device()).type != "cuda":
         yield False
         return
