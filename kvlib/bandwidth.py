@@ -35,42 +35,36 @@ def step_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int,
     return decode_bytes(config, dtype, context, batch) + copy_bytes
 
 
-def twin_config(base: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
-                context: int = 4096, like: str = "qwen3-4b",
-                like_dtype: torch.dtype = torch.bfloat16,
-                like_context: int = 32768) -> PretrainedConfig:
-    """``base`` with its MLP resized so that at ``context`` its KV is to its weights as
-    ``like``'s at ``like_context``: the same ``cat`` / ``prealloc`` ratio of :func:`step_bytes`,
-    in a model small enough to time on a CPU."""
-    def kv_over_weights(config, dt, ctx):
-        weights = decode_bytes(config, dt, 0)
-        return (decode_bytes(config, dt, ctx) - weights) / weights
-
-    target, twin = kv_over_weights(load_config(like), like_dtype, like_context), load_config(base)
-    kv = decode_bytes(twin, dtype, context) - decode_bytes(twin, dtype, 0)
+def twin_config(context: int = 4096) -> PretrainedConfig:
+    """SmolLM2-135M in fp32 with its MLP resized so that at ``context`` its KV is to its weights as
+    Qwen3-4B's in bf16 at 32K: the same ``cat`` / ``prealloc`` ratio of :func:`step_bytes`, in a
+    model small enough to time on a CPU."""
+    base, like, dtype = "smollm2-135m", load_config("qwen3-4b"), torch.float32
+    bf16 = torch.bfloat16
+    target = kv_bytes_per_token(like, bf16) * 32768 / decode_bytes(like, bf16, 0)  # KV / weights
+    twin = load_config(base)
+    kv = kv_bytes_per_token(twin, dtype) * context
     twin.intermediate_size = 0
     fixed = decode_bytes(twin, dtype, 0)
     twin.intermediate_size = 1
     width = round((kv / target - fixed) / (decode_bytes(twin, dtype, 0) - fixed))
     if width < 1:
         raise ValueError(f"{base} at {context:,} tokens holds {kv / MIB:.0f} MiB of KV: too little "
-                         f"to reach {like}'s KV/weights of {target:.3f} even with no MLP; take a "
+                         f"to reach qwen3-4b's KV/weights of {target:.3f} even with no MLP; take a "
                          f"longer context")
     twin.intermediate_size = width
     return twin
 
 
-def measure_bandwidth(device: torch.device | str, nbytes: int | None = None,
-                      repeats: int = 5) -> float:
-    """Achievable bandwidth in bytes/s: a copy of ``2 * nbytes`` moved, timed. The buffers are
-    far larger than on-chip caches, and a copy, like a decode step, is a stream of reads: a little
-    under the datasheet number, and the fair yardstick."""
+def measure_bandwidth(device: torch.device | str) -> float:
+    """Achievable bandwidth in bytes/s: a copy of 256 MiB (CUDA) or 64 MiB, read and written,
+    timed. Far larger than on-chip caches, and a stream of reads like a decode step: a little under
+    the datasheet number, and the fair yardstick."""
     device = torch.device(device)
-    if nbytes is None:
-        nbytes = (256 if device.type == "cuda" else 64) * MIB
+    nbytes = (256 if device.type == "cuda" else 64) * MIB
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    timing = time_fn(lambda: dst.copy_(src), device=device, warmup=2, repeats=repeats)
+    timing = time_fn(lambda: dst.copy_(src), device=device, warmup=2, repeats=5)
     return 2 * nbytes / timing.median_s
 
 

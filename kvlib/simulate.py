@@ -55,19 +55,15 @@ def _composite(func) -> bool:
 
 
 class Ledger(TorchDispatchMode):
-    """Live tensor bytes, op by op, under an optional ``budget``. ``start`` is the balance alive
-    before entering (the weights), in region ``"weights"``; ``by_region`` holds the live bytes of
-    each region, ``at_peak`` a copy taken at the peak. ``mark(tokens)`` closes a step of
-    ``timeline`` (cache length, live, peak of the step); ``trace=True`` also records ``(op, live)``
-    after every op that allocates."""
+    """Live tensor bytes, op by op, under an optional ``budget``; ``start`` (the weights) is live
+    before entering. ``at_peak``: ``by_region``, the live bytes of each region, at the peak."""
 
-    def __init__(self, budget: int | None = None, start: int = 0, trace: bool = False) -> None:
+    def __init__(self, budget: int | None = None, start: int = 0) -> None:
         super().__init__()
         self.budget, self.live, self.peak, self.step_peak = budget, start, start, start
         self.by_region = {"weights": start}
         self.at_peak = dict(self.by_region)
         self.tokens, self.timeline = 0, {"tokens": [], "live": [], "peak": []}
-        self.ops: list[tuple[str, int]] | None = [] if trace else None
         self._regions, self._counting = ["other"], True
         self._live: dict[int, list] = {}  # storage address -> [bytes, region]
 
@@ -89,8 +85,6 @@ class Ledger(TorchDispatchMode):
             self._live[key] = [s.nbytes(), self._regions[-1]]
             self._move(key, +1)
             weakref.finalize(s, self._free, key)
-        if new and self.ops is not None:
-            self.ops.append((str(func), self.live))
         return out
 
     def _move(self, key: int, sign: int) -> None:
@@ -140,8 +134,8 @@ class Ledger(TorchDispatchMode):
 
 @dataclass
 class Run:
-    """One simulated run: ``timeline`` per step (plot ``tokens`` against ``live`` or ``peak``), the
-    peak and its bytes by region, the SDPA kernels chosen, and the OOM if there was one."""
+    """One simulated run: ``timeline`` per step, the peak and its bytes by region, the SDPA
+    kernels chosen, and the OOM if there was one."""
 
     context: int
     prompt: int
@@ -152,7 +146,6 @@ class Run:
     timeline: dict[str, list[int]]
     kernels: dict[str, int]
     oom: torch.OutOfMemoryError | None = None
-    ops: list[tuple[str, int]] | None = None
 
     @property
     def fits(self) -> bool:
@@ -168,14 +161,12 @@ class Run:
 @torch.no_grad()
 def simulate(model, context: int, *, cache: str = "prealloc", card: Card | str = "12 GiB",
              budget: int | None = None, attention: str = "auto", prefill_chunk: int = 512,
-             decode: int = 4, tail: bool = False, trace: bool = False) -> Run:
-    """Prefill ``context - decode`` tokens in chunks, then ``decode`` steps, on a simulated card.
-    ``model``: a shipped config name, a config, or a model on ``meta``. ``card`` gives the budget
-    (unless ``budget`` bytes are given) and the compute capability that picks the attention kernels;
-    ``attention="math"`` forces the math path, ``"fused"`` a card with fused ones. ``tail`` runs
-    only the last two chunks and decode steps, from the state before them (outside the budget and
-    the peak): the same peak, since earlier steps hold less, in a fraction of the time. An OOM is
-    caught into ``run.oom``."""
+             decode: int = 4, tail: bool = False) -> Run:
+    """Prefill ``context - decode`` tokens in chunks, then ``decode`` steps, on a simulated card
+    (``model``: a config, its name, or a model on ``meta``). ``card`` gives the budget and the sm
+    that picks the attention kernels. ``tail`` runs only the last two chunks and decode steps, from
+    the state before them: the same peak, since earlier steps hold less, in a fraction of the time.
+    """
     if attention not in ("auto", "fused", "math") or cache not in ("prealloc", "cat"):
         raise ValueError(f"attention must be auto/fused/math and cache prealloc/cat, "
                          f"not {attention!r}, {cache!r}")
@@ -184,7 +175,7 @@ def simulate(model, context: int, *, cache: str = "prealloc", card: Card | str =
     model = _meta(model)
     check_supported(model)
     target, config, dtype, meta = get_card(card), model.config, model.dtype, torch.device("meta")
-    ledger = Ledger(target.memory if budget is None else budget, _weights(model), trace)
+    ledger = Ledger(target.memory if budget is None else budget, _weights(model))
     kernels = Kernels(ledger, 9.0 if attention == "fused" else target.sm, attention)
     prompt = context - decode
     chunks = list(range(0, prompt, prefill_chunk))[-2 if tail else 0:]
@@ -229,7 +220,7 @@ def simulate(model, context: int, *, cache: str = "prealloc", card: Card | str =
         for h in hooks:
             h.remove()
     return Run(context, prompt, cache, ledger.budget, ledger.peak, ledger.at_peak, ledger.timeline,
-               kernels.counts, oom, ledger.ops)
+               kernels.counts, oom)
 
 
 def fits_context(model, context: int, *, prefill_chunk: int = 512, decode: int = 4, **kw) -> bool:
