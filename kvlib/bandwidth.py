@@ -17,9 +17,8 @@ __all__ = ["decode_bytes", "floor_s_per_token", "mbu", "measure_bandwidth", "ste
 
 def decode_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int,
                  batch: int = 1) -> int:
-    """Bytes one decode step must move: all weights once, plus the K/V of ``context`` tokens. An
-    untied embedding table is read only for its ``batch`` rows (a tied one whole, as the head).
-    Activations and the new token's K/V write are left out: small, and this is a floor."""
+    """Bytes one decode step must move: all weights once (an untied embedding only for its
+    ``batch`` rows), plus the K/V of ``context`` tokens. A floor: activations are left out."""
     embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
     weights = (param_count(config) - embedding + batch * config.hidden_size) * dtype.itemsize
     return weights + kv_bytes_per_token(config, dtype, batch) * context
@@ -57,9 +56,8 @@ def twin_config(context: int = 4096) -> PretrainedConfig:
 
 
 def measure_bandwidth(device: torch.device | str) -> float:
-    """Achievable bandwidth in bytes/s: a copy of 256 MiB (CUDA) or 64 MiB, read and written,
-    timed. Far larger than on-chip caches, and a stream of reads like a decode step: a little under
-    the datasheet number, and the fair yardstick."""
+    """Achievable bandwidth in bytes/s: a copy far larger than on-chip caches, timed. A stream of
+    reads like a decode step, a little under the datasheet number: the fair yardstick."""
     device = torch.device(device)
     nbytes = (256 if device.type == "cuda" else 64) * MIB
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)

@@ -66,20 +66,12 @@ def workspace_phases(config: PretrainedConfig, dtype: torch.dtype, tokens: int =
                      cache: str = "prealloc") -> dict[str, tuple[int, int]]:
     """Transient bytes of each phase of kvlib's forward that can peak: ``(fixed, per token)``.
 
-    A prefill chunk of n = ``tokens`` new tokens after S cached ones holds, for its whole
-    forward, the visibility ``[n, S]`` (bool) and the additive mask ``[group * n, S]`` that the
-    decoder builds once for all layers, and small activations (x and normed x ``[n, d]``, q roped
-    and folded, k, v, the previous step's logits). On top of that, one at a time:
-
-    - ``mask``: building it, zeros and their masked copy ``[n, S]`` live before the repeat;
-    - ``attention``, fused: the output and log-sum-exp, and the memory-efficient kernel's padded
-      copy of a mask whose rows are not 8-aligned (torch's ``preprocess_mask``); math: q, K and V
-      upcast to fp32, the scores and their softmax ``[Hq, n, S]`` in fp32 and their -inf test;
-    - ``decode``, math only: one token with grouped heads, K and V upcast, copied per query head and
-      K transposed;
-    - ``cat``: a layer's old K (or V) while ``torch.cat`` builds the longer one;
-    - ``mlp``: gate, up and their product ``[n, intermediate]``; ``logits``: ``[V]``, and an fp32
-      copy to sample from.
+    A chunk of n = ``tokens`` after S cached ones holds, all forward long, the visibility ``[n, S]``
+    and the mask ``[group * n, S]`` built once for all layers, and small activations. On top, one at
+    a time: ``mask`` (zeros and their masked copy ``[n, S]``); ``attention`` (fused: output,
+    log-sum-exp and a padded mask copy; math: q, K, V in fp32, the scores and softmax ``[Hq, n, S]``
+    in fp32); ``decode`` (math: K and V upcast and copied per query head); ``cat`` (a layer's old K
+    while the longer one is built); ``mlp`` (gate, up, product); ``logits`` (and an fp32 copy).
     """
     if attention not in ATTENTION or cache not in ("prealloc", "cat"):
         raise ValueError(f"attention must be one of {ATTENTION} and cache prealloc or cat, "
@@ -114,10 +106,9 @@ def workspace_bytes(config: PretrainedConfig, dtype: torch.dtype, tokens: int = 
 def run_workspace(config: PretrainedConfig, dtype: torch.dtype, context: int,
                   prefill_chunk: int = 512, batch: int = 1, *, attention: str = "fused",
                   cache: str = "prealloc") -> int:
-    """What a run to ``context`` tokens holds at its peak beyond the weights and their KV. The worst
-    of its moments, whatever the prompt's length: the last full prefill chunk, a last partial one
-    ending at ``context``, a decode step. A preallocated cache holds all ``context`` slots
-    throughout; a ``cat`` cache only the tokens so far, so its prefill holds less KV."""
+    """What a run to ``context`` tokens holds at its peak beyond the weights and their KV: the
+    worst of the last full chunk, a last partial one and a decode step (a ``cat`` cache holds only
+    the tokens so far, so its prefill holds less KV)."""
     kv = kv_bytes_per_token(config, dtype, batch)
     full, worst = context // prefill_chunk * prefill_chunk, 0
     for end, tokens in ((full, prefill_chunk), (context, context - full), (context, 1)):
@@ -130,10 +121,8 @@ def run_workspace(config: PretrainedConfig, dtype: torch.dtype, context: int,
 
 @dataclass(frozen=True)
 class Budget:
-    """Bytes of a memory budget: fixed weights, KV per token, and ``workspace_at(context)``, what a
-    run to that context holds at its peak beyond them. ``max_context`` and the ``workspace`` there
-    are computed once, and are what ``asdict`` stores. ``budget`` is what the caching allocator may
-    hold (the CUDA context lies outside it)."""
+    """Fixed weights, KV per token, and ``workspace_at(context)``, under ``budget`` (what the
+    allocator may hold); ``max_context`` and its ``workspace`` are computed once, for ``asdict``."""
 
     weights: int
     kv_per_token: int
@@ -164,10 +153,8 @@ class Budget:
 def plan_budget(config: PretrainedConfig, dtype: torch.dtype, budget_bytes: int, batch: int = 1,
                 prefill_chunk: int = 512, *, attention: str = "fused",
                 cache: str = "prealloc") -> Budget:
-    """The :class:`Budget` of ``config`` in ``dtype`` under ``budget_bytes``, for kvlib's token loop
-    with ``prefill_chunk``-token chunks. ``attention``: ``"fused"`` for a card whose kernels take
-    kvlib's shapes (sm >= 8.0), ``"math"`` where they fall back (:func:`kvlib.cards.sdpa_kernel`).
-    """
+    """The :class:`Budget` of ``config`` in ``dtype`` for kvlib's token loop; ``attention``:
+    ``"fused"`` (sm >= 8.0) or ``"math"``, where kernels fall back (``cards.sdpa_kernel``)."""
     if budget_bytes <= 0 or batch < 1 or prefill_chunk < 1:
         raise ValueError(f"bad budget: budget_bytes={budget_bytes} batch={batch} "
                          f"prefill_chunk={prefill_chunk}")

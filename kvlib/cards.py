@@ -84,9 +84,8 @@ def sdpa_kernel(sm: float, q: torch.Tensor, k: torch.Tensor, mask, enable_gqa: b
 
 
 def fused_sdpa(q: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
-    """What a fused kernel allocates: the output ``[B, Hq, n, D]``, at most an fp32 log-sum-exp
-    ``[B, Hq, n]``, and, for a mask whose rows are not 8-aligned, the memory-efficient kernel's
-    padded copy of it (``preprocess_mask`` in torch's ``attention.cpp``), alive during the call."""
+    """What a fused kernel allocates: the output, an fp32 log-sum-exp, and the memory-efficient
+    kernel's padded copy of a mask whose rows are not 8-aligned (torch's ``preprocess_mask``)."""
     B, H, n, _ = q.shape
     unaligned = mask is not None and any(s % 8 for s in mask.stride()[:-1])
     pad = F.pad(mask, (0, 8 - mask.shape[-1] % 8)) if unaligned else None

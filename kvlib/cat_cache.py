@@ -16,10 +16,9 @@ __all__ = ["CatCache"]
 
 
 class CatCache:
-    """Per-layer K/V that are replaced by a longer copy on every write. A ``cat`` can only put new
-    slots at the end: a write at ``start`` first drops the slots from ``start`` on (as
-    ``DynamicCache.crop`` does); a write past the end is refused. ``max_seq`` is ``None``: nothing
-    bounds it but memory, which is the problem."""
+    """Per-layer K/V replaced by a longer copy on every write. A write at ``start`` first drops the
+    slots from ``start`` on (as ``DynamicCache.crop`` does); one past the end is refused. Nothing
+    bounds ``max_seq`` but memory, which is the problem."""
 
     max_seq = None
 

@@ -46,10 +46,8 @@ def _parts(module) -> set[str]:
 
 
 def check_supported(model, window: int | None = None) -> None:
-    """Refuse, by what it contains, a model this loop would compute wrongly. Any family built from
-    the parts above runs (Llama, Mistral, Qwen2, Qwen3, Gemma, ...); the error names the part that
-    is not. Sliding-window layers run over a ``RingCache`` of their ``window``; a window on a
-    full-attention model is the caller's choice."""
+    """Refuse, naming the part, a model this loop would compute wrongly: any family built of the
+    parts above runs. Sliding-window layers need a ``RingCache`` of their ``window``."""
     config, body = model.config, getattr(model, "model", None)
     layer = body.layers[0] if body is not None and len(getattr(body, "layers", ())) else None
     attention = getattr(layer, "self_attn", None)
@@ -198,10 +196,8 @@ def _eager_pass(model, cache: Cache, start: int, rows: slice) -> _Pass:
 
 @torch.no_grad()  # inference only: a cache must never hold autograd history
 def forward(model, ids, cache, start) -> torch.Tensor:
-    """Run ``ids`` ``[1, n]`` at positions ``start..start+n``; return the last logits ``[1, V]``.
-    Every layer writes its K/V for those slots and reads slots ``0..start+n``; then
-    ``cache.seq_len = start + n``. A ragged batch passes lists, one ``[1, n_i]`` / cache / start
-    per request, and gets each request's last logits, ``[B, V]``."""
+    """Run ``ids`` ``[1, n]`` at slots ``start..start+n``, then ``cache.seq_len = start + n``;
+    return the last logits ``[1, V]``. A batch passes lists (ids, caches, starts): ``[B, V]``."""
     batch = isinstance(cache, (list, tuple))
     ids, caches, starts = (ids, cache, start) if batch else ([ids], [cache], [start])
     if not len(ids) == len(caches) == len(starts) > 0:
@@ -224,9 +220,8 @@ def forward(model, ids, cache, start) -> torch.Tensor:
 def forward_static(model, token: torch.Tensor, cache: Cache, pos: torch.Tensor,
                    span: int) -> torch.Tensor:
     """One token ``[1, 1]`` at the device position ``pos`` ``[1]``, reading ``span`` slots, masked.
-    Every shape is fixed by ``span`` and nothing reads ``pos`` on the host, so a CUDA graph can
-    replay it at any position below ``span``. For the same reason the caller, who knows the position
-    on the host, sets ``cache.seq_len`` (``StaticStep`` does)."""
+    Nothing reads ``pos`` on the host, so a graph replays it anywhere below ``span``, and the caller
+    sets ``cache.seq_len``."""
     visible = (torch.arange(span, device=token.device) <= pos).view(1, span)
     step = _Pass(rows=slice(0, 1), cache=cache, end=span, causal=False, mask=_mask(model, visible),
                  write=lambda c, layer, k, v: c.write_at(layer, pos, k, v))

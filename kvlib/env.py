@@ -38,10 +38,9 @@ def auto_dtype(device: torch.device | str) -> torch.dtype:
 
 
 def allocator_settings(device: torch.device | str) -> dict:
-    """What the CUDA caching allocator is running with, asked of the allocator, not of the
-    environment: ``config`` is the option string it last parsed, ``expandable_segments`` is read
-    from the live segments when there are any (a setting the platform cannot honour is not on).
-    Older torch releases return what they can; ``{}`` off CUDA."""
+    """What the CUDA caching allocator runs with, asked of it, not of the environment: the options
+    it last parsed, and ``expandable_segments`` as the live segments say (a setting the platform
+    cannot honour is not on). ``{}`` off CUDA."""
     device = resolve(device)
     if device.type != "cuda":
         return {}

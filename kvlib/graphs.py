@@ -90,11 +90,9 @@ def _side_stream(index: int) -> torch.cuda.Stream:
 
 
 def capture_graph(run, device: torch.device | str):
-    """``(graph, output, memory)``: ``run()`` recorded as a CUDA graph, after two warm-up calls
-    (lazy initialisation, cuBLAS handles and kernel choice must not be captured). ``output`` is the
-    buffer every replay rewrites; ``memory`` what the capture added: ``allocated`` (its output) and
-    ``reserved`` (its private pool), both from an emptied cache, as ``torch.cuda.graph`` empties it.
-    """
+    """``(graph, output, memory)``: ``run()`` captured after two warm-up calls (lazy init and
+    kernel choice must not be captured). ``memory``: what the capture added, ``allocated`` (its
+    output) and ``reserved`` (its pool), from an emptied cache, as ``torch.cuda.graph`` does."""
     device = resolve(device)
     stream = _side_stream(device.index)
     stream.wait_stream(torch.cuda.current_stream(device))

@@ -21,8 +21,7 @@ LAYOUTS = ("head", "seq")
 
 class KVCache:
     """Two fixed ``[L, S, Hkv, D]`` tensors; slots past ``seq_len`` are zeros nothing reads.
-    ``device=None`` means CUDA when there is one, else the CPU: a default that crashes on a laptop
-    teaches nothing."""
+    ``device=None``: CUDA when there is one, else the CPU, so the default runs on a laptop too."""
 
     __slots__ = ("k", "v", "n_layers", "max_seq", "n_kv_heads", "head_dim", "layout", "seq_len",
                  "_k", "_v", "_k_attn", "_v_attn")
@@ -79,9 +78,8 @@ class KVCache:
         self._v[layer][start:end] = v
 
     def write_at(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``[n, Hkv, D]`` at the slots in ``pos``, a device tensor ``[n]``. A CUDA graph
-        replays it at a new position without being captured again. It cannot be range-checked
-        without a host sync, so the caller checks on the host (``StaticStep`` does)."""
+        """Write ``[n, Hkv, D]`` at the slots in ``pos``, a device tensor ``[n]``, so a CUDA graph
+        replays it at a new position. A range check would sync: the caller checks on the host."""
         check_kv(self, layer, 0, k, v)
         self._k[layer].index_copy_(0, pos, k)
         self._v[layer].index_copy_(0, pos, v)

@@ -121,20 +121,15 @@ def generate(model, input_ids, max_new_tokens, *, cache="prealloc",
 
     ``cache``: ``"prealloc"`` (a :class:`KVCache` of ``max_seq`` slots, default prompt + new
     tokens), ``"cat"``, or a cache object, continued from its ``seq_len``. Greedy unless
-    ``temperature > 0``, then top-k / top-p sampling seeded with ``seed``. Stops after an EOS token
-    (``"auto"``: the model's generation config; ``None``: never). ``prefill_chunk`` bounds the
-    prefill's workspace. ``on_step(step, seq_len)`` runs after each decode step. A request past the
-    model's ``max_position_embeddings`` is refused unless ``extrapolate``.
-
-    A list of prompts is a ragged batch (a list of Generations back): each request keeps its own
-    length, EOS, ``max_new_tokens`` (an int or a list) and cache (pass a list; paged ones share a
-    pool), and each decode step runs every unfinished request in one forward.
+    ``temperature > 0``. EOS ``"auto"`` is the model's. ``prefill_chunk`` bounds the prefill's
+    workspace. A request past ``max_position_embeddings`` is refused unless ``extrapolate``. A list
+    of prompts is a ragged batch: each request keeps its own length, EOS, ``max_new_tokens`` and
+    cache, and each decode step runs every unfinished one in one forward.
 
     ``step``: ``"eager"`` slices attention to the length; ``"static"`` reads fixed spans of
     ``bucket`` slots with a mask; ``"graph"`` replays those as CUDA graphs; a :class:`StaticStep`
-    keeps its graphs from one request to the next. Static and graph steps give the same tokens; the
-    eager step's unmasked attention may differ in the last bits (in bf16 that can flip a token).
-    They run one request; a batch decodes eagerly.
+    keeps its graphs from one request to the next. These run one request; the eager step's
+    unmasked attention may differ from them in the last bits (in bf16 that can flip a token).
     """
     check_supported(model, window=getattr(cache, "window", None))  # a ring cache has one
     device = model.device

@@ -31,10 +31,8 @@ def _rss() -> int:
 
 
 def memory_stats(device: torch.device | str) -> dict[str, int]:
-    """Bytes, now. CUDA: allocator and driver view; anything else: ``rss``. ``device_used`` is the
-    driver's ``total - free`` for the whole card, so ``outside_allocator = device_used - reserved``
-    is the CUDA context, workspaces the allocator does not own, and any other process on the card:
-    what ``nvidia-smi`` shows beyond ``reserved``."""
+    """Bytes, now: ``rss`` off CUDA. ``outside_allocator``, the driver's ``total - free`` less
+    ``reserved``, is the CUDA context, workspaces and other processes: ``nvidia-smi``'s surplus."""
     device = resolve(device)
     if device.type != "cuda":
         return {"rss": _rss()}
@@ -111,10 +109,8 @@ class Cap:
 
 
 def cap_memory(gib: float, device: torch.device | str) -> Cap:
-    """Emulate a ``gib``-GiB card on a bigger one by capping the caching allocator. The allocator
-    raises OOM once ``reserved`` would pass the cap. The CUDA context is not counted, so the
-    emulation is a little more generous than a real card, whose context eats into the same memory
-    (:func:`allocator_budget` sees it). On a card no bigger than the cap, the cap is lifted."""
+    """Emulate a ``gib``-GiB card on a bigger one: the allocator raises OOM once ``reserved`` would
+    pass the cap. A little generous: the CUDA context is outside it (:func:`allocator_budget`)."""
     device = resolve(device)
     if device.type != "cuda":
         return Cap(gib, None, None, False,
@@ -131,10 +127,8 @@ def cap_memory(gib: float, device: torch.device | str) -> Cap:
 
 
 def allocator_budget(device: torch.device | str, cap: Cap | None = None) -> int | None:
-    """Bytes the caching allocator can hold in all, now: what it holds plus what the card has free,
-    never more than an active cap; ``None`` off CUDA. The budget to plan against once the model is
-    loaded: the CUDA context and other processes take some of the card, and only the driver's
-    ``free`` sees them."""
+    """What the allocator holds plus what the driver says is free, within an active cap: the budget
+    to plan against once the model is loaded, the CUDA context already taken. ``None`` off CUDA."""
     device = resolve(device)
     if device.type != "cuda":
         return None
@@ -145,10 +139,8 @@ def allocator_budget(device: torch.device | str, cap: Cap | None = None) -> int 
 @contextmanager
 def memory_snapshot(path: str | os.PathLike, max_entries: int = 100_000, *,
                     device: torch.device | str | None = None) -> Iterator[bool]:
-    """Record every allocator event in the block and dump them to ``path``, which opens in
-    https://pytorch.org/memory_viz; even when the block raises (an OOM is the best moment for a
-    snapshot). Yields True while recording; off CUDA it records nothing, writes no file and yields
-    False, so a notebook keeps one code path."""
+    """Record the allocator's events in the block into ``path`` for https://pytorch.org/memory_viz,
+    even when it raises (an OOM is the best moment). Off CUDA: nothing, and it yields False."""
     if resolve(device or default_device()).type != "cuda":
         yield False
         return

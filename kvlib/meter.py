@@ -41,10 +41,8 @@ def new_storages(args, kwargs, out) -> dict[int, torch.UntypedStorage]:
 
 
 class AllocMeter(TorchDispatchMode):
-    """Sum the storage bytes of every new tensor produced while active. ``total``/``count`` cover
-    the meter's whole life; ``by_op`` and ``by_region`` split them by aten overload and by region;
-    ``mark()`` closes a step into ``steps`` and ``step_regions``. Re-entering keeps the totals and
-    starts a fresh step."""
+    """Sum the storage bytes of every new tensor made while active, in all (``total``), by aten
+    overload (``by_op``), by region, and per step (``mark()``). Re-entering starts a new step."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -122,9 +120,8 @@ class MeteredCache:
 
 
 def cache_bytes_per_step(model, context: int, kind: str) -> int:
-    """Bytes the cache allocates in the decode step that writes slot ``context`` (the meter). The
-    cache is filled with ``context`` slots of zeros first: what a step allocates depends on how much
-    the cache holds, not on what."""
+    """Bytes the cache allocates in the decode step that writes slot ``context``, after
+    ``context`` slots of zeros: what a step allocates depends on how much the cache holds."""
     config, device, dtype = model.config, model.device, model.dtype
     if kind == "prealloc":
         cache = KVCache.for_model(config, context + 1, device=device, dtype=dtype)

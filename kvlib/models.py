@@ -120,8 +120,7 @@ def _from_hub(name: str, dtype):
 
 def hf_static_cache(model, max_cache_len: int) -> dict:
     """``generate`` keyword arguments for a ``StaticCache`` of exactly ``max_cache_len`` slots
-    (with ``cache_implementation="static"``, every later cache is at least as large as the largest
-    before it). The keyword is ``cache`` from transformers 5.24 on, ``past_key_values`` before."""
+    (``cache_implementation="static"`` never sizes a cache below the largest before it)."""
     new = version.parse(transformers.__version__) >= version.parse("5.24")
     cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
     return {"cache" if new else "past_key_values": cache}

@@ -72,10 +72,8 @@ class BlockPool:
 
 
 class PagedCache:
-    """One request: a block table into a shared :class:`BlockPool`, under the Cache contract.
-
-    ``max_seq`` is the whole pool, the most one request could get; running out of blocks is an
-    :class:`OutOfBlocks` from the write that needed one."""
+    """One request: a block table into a shared :class:`BlockPool`. ``max_seq`` is the whole pool,
+    the most one request could get; a write that finds no free block raises :class:`OutOfBlocks`."""
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool, self.table, self.seq_len, self.max_seq = pool, [], 0, pool.n_blocks * pool.block
@@ -89,8 +87,7 @@ class PagedCache:
     bytes_per_token = property(bytes_per_token)
 
     def reset(self) -> None:
-        """The request is done: its blocks go back to the pool (a shared one with its last
-        holder)."""
+        """The request is done: its blocks go back to the pool (a shared one with its last)."""
         self.pool.release(self.table)
         self.table, self.seq_len, self._span, self._index = [], 0, None, self._index[:0]
 

@@ -26,8 +26,7 @@ FORMATS = {"bf16": lambda D: 2 * D, "fp8": lambda D: D, "int8": lambda D: D + 2,
 
 
 def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [..., D]`` -> codes ``[..., D bits/8]`` (int4: two a byte), scales ``[..., D/group,
-    1]``."""
+    """``x [..., D]`` -> codes ``[..., D bits/8]`` (int4: two a byte), scales ``[..., D/g, 1]``."""
     qmax = 2 ** (bits - 1) - 1
     g = x.unflatten(-1, (-1, group))  # [..., D/group, group]
     # the scale is rounded to x's dtype first, so the codes are computed against the one kept

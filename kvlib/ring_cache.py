@@ -80,8 +80,7 @@ class RingCache:
         self.k[layer][:, slots], self.v[layer][:, slots] = k[:, rows], v[:, rows]
 
     def view(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a query at ``seq - 1`` reads, ``[1, Hkv, S, D]``: a chunk's copy (once), else
-        every held slot, in slot order, as views."""
+        """What a query at ``seq - 1`` reads: a chunk's copy (once), else the held slots' views."""
         if not 0 <= layer < self.n_layers or seq != self._ends[layer]:
             raise ValueError(f"a ring holds the latest positions only: layer {layer} of "
                              f"{self.n_layers} holds up to {self._ends[layer % self.n_layers]}, "
