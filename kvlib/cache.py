@@ -1,9 +1,6 @@
-"""The contract every cache keeps, written once.
-
-The token loop, the meter, the bench and the static step name :class:`Cache`, never a concrete
-class: a new cache is one module that satisfies it, and plugs in without a branch anywhere else. A
-step writes ``[n, Hkv, D]`` per layer at slot ``start`` (``write``), then reads ``[1, Hkv, S, D]``
-for attention (``view``); the loop advances ``seq_len`` once every layer has written.
+"""The contract every cache keeps, written once: a new cache is one module that satisfies it and
+plugs into the loop, the meter and the static step without a branch. A step writes ``[n, Hkv, D]``
+per layer at ``start``, reads ``[1, Hkv, S, D]``; the loop advances ``seq_len`` after every layer.
 """
 
 from collections.abc import Callable

@@ -1,10 +1,8 @@
 """Named cards from the vendors' spec sheets, and what follows from them: the attention kernel a
-call runs (:func:`sdpa_kernel`), what it allocates (:class:`Kernels`, for the simulated card), and
-the bandwidth floor of a decode step (:meth:`Card.predicted_ms_per_token`).
+call runs, what it allocates on the simulated card, and the bandwidth floor of a decode step.
 
-Sheets write memory in "GB", but memory chips come in binary sizes (an A100 40GB is five 8 GiB
-stacks), so ``memory`` reads the sheet's GB as GiB: the ceiling. Bandwidth is decimal: "1,555 GB/s"
-is 1.555e12 B/s. Compute capabilities: https://developer.nvidia.com/cuda-gpus.
+Sheets write memory in "GB", but chips come in binary sizes, so ``memory`` reads the GB as GiB:
+the ceiling. Bandwidth is decimal. Compute capabilities: https://developer.nvidia.com/cuda-gpus.
 """
 
 from dataclasses import dataclass

@@ -1,9 +1,5 @@
-"""The naive baseline: a cache that grows by ``torch.cat`` on every write.
-
-This is what ``transformers``' ``DynamicCache`` does: per layer, ``[1, Hkv, S, D]`` tensors, and
-each new token makes new ones of ``S + 1`` slots, copying the old contents across. It keeps the
-:class:`~kvlib.cache.Cache` contract, so the same token loop runs it and any difference measured is
-the cache's alone.
+"""The naive baseline, what ``transformers``' ``DynamicCache`` does: per layer ``[1, Hkv, S, D]``
+tensors, and each new token makes new ones of ``S + 1`` slots, copying the old contents across.
 """
 
 import torch

@@ -1,12 +1,10 @@
 """Static shapes, then a CUDA graph: what a cache that never moves makes possible.
 
-A CUDA graph replays a decode step's hundreds of kernel launches as one, but only if every tensor
-the step touches keeps its address and shape. The preallocated cache gives the addresses; the
-token and the position live in fixed device buffers; attention reads a fixed ``span`` of slots and
-masks those past the position. Spans come in buckets of ``bucket`` slots, between slicing to the
-exact length (a new shape every step) and masking all ``max_seq`` slots (reading them every step).
-Sampling stays outside the graph (its RNG state would be frozen in), and nothing in the step reads
-a device value on the host: a capture cannot wait for the GPU, and a replay would reuse its answer.
+A graph replays a step's hundreds of kernel launches as one, if every tensor keeps its address and
+shape: the preallocated cache, fixed token and position buffers, and attention over a fixed
+``span`` of slots, masked past the position. Spans come in buckets, between a new shape every step
+and reading all ``max_seq`` slots every step. Sampling stays outside (its RNG state would freeze),
+and nothing reads a device value on the host: a replay would reuse the capture's answer.
 """
 
 import functools

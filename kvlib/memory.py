@@ -1,9 +1,8 @@
 """Memory over time, the 12 GiB emulation, and the largest size that fits.
 
 ``allocated`` is what live tensors hold; ``reserved`` what the caching allocator took from the
-driver (the number that actually runs out); ``peak_*`` the high-water mark since the last reset.
-On a CPU there is no allocator to ask, so the only honest number is the resident set size. Nothing
-here touches ``torch.cuda`` off a CUDA device, and a bare ``"cuda"`` is resolved to an indexed one.
+driver, the number that runs out; ``peak_*`` the high-water mark. A CPU has no allocator to ask:
+there the honest number is the resident set size. Nothing here touches ``torch.cuda`` off CUDA.
 """
 
 import gc

@@ -1,11 +1,10 @@
 """Paged KV: many requests share one pool of fixed-size blocks.
 
-A slab of ``max_seq`` slots per request reserves the longest request for every request; a request
-on a pool holds its length rounded up to a block, and gives its blocks back at ``reset()``. One
-block id spans every layer: ``k, v: [L, Hkv, blocks, block, D]``, the layout PyTorch's paged
-FlexAttention reads. SDPA cannot follow a block table, so :meth:`PagedCache.view` gathers the
-request's blocks, a copy per layer and step that only a kernel reading the table removes.
-:meth:`PagedCache.fork` shares blocks (reference counts, copy on write): a prefix is stored once.
+A slab per request reserves the longest request for every request; on a pool, a request holds its
+length rounded up to a block. One block id spans every layer, ``[L, Hkv, blocks, block, D]``, the
+layout paged FlexAttention reads. SDPA cannot follow a block table, so :meth:`PagedCache.view`
+gathers the blocks, a copy only a kernel reading the table removes. :meth:`PagedCache.fork` shares
+blocks (reference counts, copy on write): a shared prefix is stored once.
 """
 
 import torch

@@ -1,11 +1,9 @@
 """A quantized KV cache: int8 (or int4) codes and a scale per group, instead of bf16/fp32 values.
 
-Symmetric (K and V sit around zero), one scale per token, KV head and ``group`` channels (int8:
-``group = D``): ``scale = max|x| / qmax``, ``code = round(x / scale)``, qmax 127 or 7. Per token,
-because a token is written once: its scale is final then, so a slot holds its final bytes like any
-preallocated slot. (KIVI's per-channel key scales span tokens, so they need a full-precision window
-of recent ones.) SDPA takes floating-point K/V, so :meth:`QuantCache.view` dequantizes one layer's
-slots, alive for that layer's attention only: never a copy of the whole context at once.
+Symmetric, one scale per token, KV head and ``group`` channels: ``code = round(x / scale)``,
+``scale = max|x| / qmax``. Per token, because a token is written once, so its slot holds its final
+bytes (KIVI's per-channel key scales span tokens, and need a full-precision window). SDPA takes
+floating-point K/V, so :meth:`QuantCache.view` dequantizes one layer's slots at a time.
 """
 
 from dataclasses import dataclass

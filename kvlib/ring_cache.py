@@ -1,11 +1,10 @@
 """A sliding-window cache: a ring of slots, so memory stops growing at the window.
 
-Under sliding-window attention a query at ``p`` sees the keys at ``p - W < q <= p``, so position
-``p`` may take the slot of ``p - W``: ``slot = p % W``. Only the slot index wraps: RoPE rotated
-each key by its absolute position before it was written, and attention ignores the slots' order.
-A chunk of ``n > 1`` tokens would overwrite keys its first queries need, so it first copies the
-held slots in position order with the chunk after them, and :meth:`RingCache.visible` says which
-keys each query sees. ``sinks`` keeps the first positions beside the ring (StreamingLLM).
+A query at ``p`` sees the keys at ``p - W < q <= p``, so position ``p`` takes the slot of ``p - W``.
+Only the slot index wraps: RoPE rotated each key by its position before it was written, and
+attention ignores the slots' order. A chunk of ``n > 1`` tokens would overwrite keys its first
+queries need, so it copies the held slots first (:meth:`RingCache.visible` says which each query
+sees). ``sinks`` keeps the first positions beside the ring (StreamingLLM).
 """
 
 import torch

@@ -1,8 +1,6 @@
-"""One way to time things, on every device.
-
-CUDA work is asynchronous: ``perf_counter`` around a call times the enqueue, not the kernels. So on
-CUDA a pair of ``torch.cuda.Event``s goes around each call and the GPU's clock is read after a
-single synchronize. Warm-up calls run first, uncounted; results are medians with a p10..p90 spread.
+"""One way to time things, on every device: ``perf_counter`` around a CUDA call times the enqueue,
+so on CUDA events go around each call and are read after one synchronize. Warm-up calls run
+uncounted; results are medians with a p10..p90 spread.
 """
 
 import statistics
