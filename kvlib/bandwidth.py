@@ -1,7 +1,5 @@
-"""The memory-bandwidth limit of decoding.
-
-A decode step reads every weight once and every cached K/V once, for little arithmetic per byte, so
-it cannot take less than ``decode_bytes / bandwidth``, whatever the kernels do.
+"""The memory-bandwidth limit of decoding: a step reads every weight and cached K/V once, so it
+cannot take less than ``decode_bytes / bandwidth``, whatever the kernels do.
 """
 
 import torch

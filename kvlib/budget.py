@@ -1,9 +1,6 @@
-"""The memory budget, computed before anything runs.
-
-Weights, KV (:func:`kv_bytes_per_token` per token) and a forward's transient workspace all follow
-from the config by arithmetic, so the longest context that fits is known before a byte is
-allocated: the largest with ``weights + kv_bytes_per_token * context + workspace(context) <=
-budget``. The workspace grows with the context too (a mask column per cached token).
+"""The memory budget, computed before anything runs: weights, KV per token and a forward's
+workspace (which grows with the context too) follow from the config, so the longest context with
+``weights + kv_bytes_per_token * context + workspace(context) <= budget`` is known in advance.
 """
 
 from collections.abc import Callable

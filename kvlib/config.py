@@ -1,7 +1,5 @@
-"""What a model's config says about its KV cache, and the units every byte count is given in.
-
-The configs of the course's models ship in ``kvlib/configs/``, so the arithmetic, and the ``meta``
-models built from it, need no network.
+"""What a model's config says about its KV cache, and the byte units. The course's configs ship in
+``kvlib/configs/``, so the arithmetic and the ``meta`` models built from it need no network.
 """
 
 import json

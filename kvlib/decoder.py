@@ -1,16 +1,11 @@
-"""One forward of the token loop: n new tokens through the model, over a cache.
-
-Written against the model's own modules, so the weights, the RoPE scaling and the numerics are the
-model's; only the cache and the attention call are ours. :func:`forward` is the eager step;
-:func:`forward_static` the one a CUDA graph can capture (a device position, a fixed ``span`` of
-slots, masked). A ragged batch packs every request's tokens into one row ``[1, N]``, so the weights
-are read once for all, with no padding; only attention is per request, over its own cache.
+"""One forward of the token loop, written against the model's own modules (so the weights, RoPE
+scaling and numerics are the model's; only the cache and the attention call are ours). A ragged
+batch packs every request's tokens into one row ``[1, N]``: the weights are read once for all.
 
 Grouped-query attention is never expanded with a copy. Where a query sees every slot (decode), each
-KV head's group of query heads is folded into rows, ``[1, Hkv, group * n, D]``: a plain multi-head
-call every fused kernel takes. A prefill from an empty cache is causal with ``enable_gqa`` where a
-fused kernel takes it (the CPU, flash on sm >= 8.0); otherwise it is folded with a mask (the math
-kernel would copy K/V per query head). cuDNN attention is off: it plans every new shape.
+KV head's query heads are folded into rows, ``[1, Hkv, group * n, D]``, a call every fused kernel
+takes. A prefill from an empty cache is causal with ``enable_gqa`` where a fused kernel takes it;
+otherwise it is folded with a mask. cuDNN attention is off: it plans every new shape.
 """
 
 import functools

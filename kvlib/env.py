@@ -1,7 +1,5 @@
-"""Where a result was measured, in one line that travels with it.
-
-A number without its device, dtype, memory cap, allocator settings and library versions cannot be
-compared with anything, so every figure and printed result carries :func:`label`.
+"""Where a result was measured, in one line that travels with it: a number without its device,
+dtype, cap, allocator settings and versions cannot be compared with anything.
 """
 
 import os

@@ -1,11 +1,7 @@
-"""Preallocated KV. The cache is written in place and never grown.
-
-A ``cat`` along the length axis on every step reallocates and copies the whole cache, so a card
-runs out well before the arithmetic said. Here the shape is fixed when the cache is made,
-``k, v: [L, S, Hkv, D]``, and a step does ``k[layer, t] = k_new``: one copy into an existing slot.
-``layout`` chooses where the bytes sit, which changes strides, never results: ``"head"`` (default)
-stores ``[L, Hkv, S, D]``, so each head's ``[S, D]`` block SDPA reads is contiguous; ``"seq"``, the
-original design, stores the logical order: one contiguous write, but keys ``Hkv * D`` apart.
+"""Preallocated KV: ``k, v: [L, S, Hkv, D]``, written in place and never grown, because a ``cat``
+on every step copies the whole cache and a card runs out well before the arithmetic says. The
+``layout`` changes strides, never results: ``"head"`` stores ``[L, Hkv, S, D]``, so the ``[S, D]``
+block SDPA reads is contiguous; ``"seq"``, the original design, makes the write contiguous instead.
 """
 
 import torch

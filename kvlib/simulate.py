@@ -1,9 +1,6 @@
-"""A simulated card: the token loop on the ``meta`` device, under an exact ledger of live bytes.
-
-On ``meta`` nothing is allocated, so the real 4B model runs on any laptop. :class:`Ledger` counts
-every new storage until it is freed: ``torch.cuda.memory_allocated`` without the allocator's
-rounding, caching or fragmentation; the op that would pass the budget raises an OOM. No timing.
-On ``meta`` SDPA always takes the math path, which materialises the scores; so
+"""A simulated card: the token loop on the ``meta`` device, where nothing is allocated, under a
+ledger of live bytes: ``memory_allocated`` without the allocator's rounding or caching. The op that
+would pass the budget raises an OOM. On ``meta`` SDPA always takes the math path, so
 :class:`kvlib.cards.Kernels` routes each call as torch's CUDA dispatcher would.
 """
 
