@@ -1,8 +1,5 @@
-"""kvlib: the final code of the KV-cache course.
-
-The preallocated :class:`KVCache` and the ``cat`` baseline it replaces, the contract every cache
-keeps (:class:`~kvlib.cache.Cache`), the token loop that runs any of them, the models, and the
-instruments that measure them.
+"""kvlib: the KV caches of the course, the token loop that runs any of them (the contract:
+:class:`~kvlib.cache.Cache`), the models, and the instruments that measure them.
 
 Shapes are written in one axis legend, here and in every shape comment:
 

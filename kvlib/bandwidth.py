@@ -13,8 +13,7 @@ __all__ = ["decode_bytes", "floor_s_per_token", "mbu", "measure_bandwidth", "ste
            "twin_config"]
 
 
-def decode_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int,
-                 batch: int = 1) -> int:
+def decode_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int, batch: int = 1) -> int:
     """Bytes one decode step must move: all weights once (an untied embedding only for its
     ``batch`` rows), plus the K/V of ``context`` tokens. A floor: activations are left out."""
     embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
@@ -33,9 +32,8 @@ def step_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int,
 
 
 def twin_config(context: int = 4096) -> PretrainedConfig:
-    """SmolLM2-135M in fp32 with its MLP resized so that at ``context`` its KV is to its weights as
-    Qwen3-4B's in bf16 at 32K: the same ``cat`` / ``prealloc`` ratio of :func:`step_bytes`, in a
-    model small enough to time on a CPU."""
+    """SmolLM2-135M in fp32, its MLP resized so that at ``context`` its KV is to its weights as
+    Qwen3-4B's in bf16 at 32K: the same ``cat`` / ``prealloc`` ratio, small enough for a CPU."""
     base, like, dtype = "smollm2-135m", load_config("qwen3-4b"), torch.float32
     bf16 = torch.bfloat16
     target = kv_bytes_per_token(like, bf16) * 32768 / decode_bytes(like, bf16, 0)  # KV / weights

@@ -20,9 +20,8 @@ FAMILIES = ("llama", "qwen2", "qwen3")  # the families param_count can count
 
 
 def param_count(config: PretrainedConfig) -> int:
-    """Parameters of a Llama / Qwen2 / Qwen3 causal LM, by arithmetic on the config: per layer
-    q/k/v/o (Qwen2 always biases q/k/v; ``attention_bias`` all four), Qwen3's ``q_norm``/``k_norm``,
-    the gated MLP, two RMSNorms; the embedding, the final norm, and an untied head."""
+    """Parameters of a Llama / Qwen2 / Qwen3 causal LM by arithmetic on the config (Qwen2 always
+    biases q/k/v; ``attention_bias`` all four; Qwen3 adds ``q_norm``/``k_norm``)."""
     kind = config.model_type
     if kind not in FAMILIES:
         raise ValueError(f"param_count knows {FAMILIES}, not model_type={kind!r}")
@@ -94,8 +93,7 @@ def workspace_phases(config: PretrainedConfig, dtype: torch.dtype, tokens: int =
 def workspace_bytes(config: PretrainedConfig, dtype: torch.dtype, tokens: int = 1,
                     batch: int = 1, *, context: int = 0, attention: str = "fused",
                     cache: str = "prealloc") -> int:
-    """Transient bytes of one forward of ``tokens`` new tokens after ``context`` cached ones: the
-    largest of :func:`workspace_phases`, which are not live at the same time."""
+    """Transient bytes of one forward: the largest of :func:`workspace_phases` (never all live)."""
     phases = workspace_phases(config, dtype, tokens, attention=attention, cache=cache)
     return batch * max(fixed + per_token * context for fixed, per_token in phases.values())
 
@@ -104,8 +102,7 @@ def run_workspace(config: PretrainedConfig, dtype: torch.dtype, context: int,
                   prefill_chunk: int = 512, batch: int = 1, *, attention: str = "fused",
                   cache: str = "prealloc") -> int:
     """What a run to ``context`` tokens holds at its peak beyond the weights and their KV: the
-    worst of the last full chunk, a last partial one and a decode step (a ``cat`` cache holds only
-    the tokens so far, so its prefill holds less KV)."""
+    worst of the last full chunk, a last partial one and a decode step (``cat``: less KV before)."""
     kv = kv_bytes_per_token(config, dtype, batch)
     full, worst = context // prefill_chunk * prefill_chunk, 0
     for end, tokens in ((full, prefill_chunk), (context, context - full), (context, 1)):

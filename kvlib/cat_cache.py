@@ -12,9 +12,8 @@ __all__ = ["CatCache"]
 
 
 class CatCache:
-    """Per-layer K/V replaced by a longer copy on every write. A write at ``start`` first drops the
-    slots from ``start`` on (as ``DynamicCache.crop`` does); one past the end is refused. Nothing
-    bounds ``max_seq`` but memory, which is the problem."""
+    """Per-layer K/V replaced by a longer copy on every write; a write at ``start`` drops the slots
+    from ``start`` on. Nothing bounds ``max_seq`` but memory, which is the problem."""
 
     max_seq = None
 

@@ -214,9 +214,8 @@ def forward(model, ids, cache, start) -> torch.Tensor:
 @torch.no_grad()
 def forward_static(model, token: torch.Tensor, cache: Cache, pos: torch.Tensor,
                    span: int) -> torch.Tensor:
-    """One token ``[1, 1]`` at the device position ``pos`` ``[1]``, reading ``span`` slots, masked.
-    Nothing reads ``pos`` on the host, so a graph replays it anywhere below ``span``, and the caller
-    sets ``cache.seq_len``."""
+    """One token at the device position ``pos`` ``[1]``, reading ``span`` slots, masked: nothing
+    reads ``pos`` on the host, so a graph replays it anywhere, and the caller sets ``seq_len``."""
     visible = (torch.arange(span, device=token.device) <= pos).view(1, span)
     step = _Pass(rows=slice(0, 1), cache=cache, end=span, causal=False, mask=_mask(model, visible),
                  write=lambda c, layer, k, v: c.write_at(layer, pos, k, v))

@@ -26,9 +26,8 @@ def default_device() -> torch.device:
 
 
 def auto_dtype(device: torch.device | str) -> torch.dtype:
-    """bf16 on compute capability >= 8.0, fp16 on older CUDA, fp32 on the CPU (where half
-    precision matmuls are mostly slower). Not ``is_bf16_supported()``: a T4 answers True for an
-    *emulated* bf16, which runs but teaches the wrong speed."""
+    """bf16 on sm >= 8.0, fp16 on older CUDA, fp32 on the CPU (half precision is mostly slower
+    there). Not ``is_bf16_supported()``: a T4 says True for an *emulated*, slow bf16."""
     device = torch.device(device)  # a bare "cuda" is fine here: torch reads the current card
     if device.type != "cuda":
         return torch.float32
@@ -36,9 +35,8 @@ def auto_dtype(device: torch.device | str) -> torch.dtype:
 
 
 def allocator_settings(device: torch.device | str) -> dict:
-    """What the CUDA caching allocator runs with, asked of it, not of the environment: the options
-    it last parsed, and ``expandable_segments`` as the live segments say (a setting the platform
-    cannot honour is not on). ``{}`` off CUDA."""
+    """What the CUDA caching allocator runs with, asked of it and of its live segments, not of the
+    environment (a setting the platform cannot honour is not on). ``{}`` off CUDA."""
     device = resolve(device)
     if device.type != "cuda":
         return {}

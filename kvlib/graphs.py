@@ -21,9 +21,8 @@ HOST_WAIT_ROPE = ("dynamic", "longrope")  # rotary updates that compare a positi
 
 
 def _host_wait_rope(model) -> str | None:
-    """The rope type of ``model``'s rotary embedding whose update waits on the host, if any:
-    ``transformers`` rescales ``*dynamic*`` (and, before 5.24, ``longrope``) rotary embeddings by
-    comparing a position with a length in Python, which a CUDA graph would freeze at capture."""
+    """The rope type, if any, that ``transformers`` rescales by comparing a position with a length
+    in Python (``*dynamic*``; ``longrope`` before 5.24), a choice a CUDA graph would freeze."""
     kinds = getattr(getattr(getattr(model, "model", None), "rotary_emb", None), "rope_type", None)
     for kind in (kinds.values() if isinstance(kinds, dict) else [kinds]):
         if isinstance(kind, str) and any(k in kind for k in HOST_WAIT_ROPE):
@@ -32,14 +31,12 @@ def _host_wait_rope(model) -> str | None:
 
 
 class StaticStep:
-    """``step(token [1, 1], pos) -> logits [1, V]`` with static shapes; ``capture=False`` runs
-    the same step uncaptured, on any device. The logits are the graph's output buffer: read them
-    before the next call overwrites them. ``memory[span]``: what capturing that span added."""
+    """``step(token [1, 1], pos) -> logits [1, V]``, the graph's output buffer, which the next call
+    overwrites. ``capture=False`` runs it uncaptured, on any device."""
 
     def __init__(self, model, cache, *, bucket: int = 256, capture: bool | None = None) -> None:
         if not hasattr(cache, "write_at"):
-            raise TypeError(f"static shapes need a preallocated cache, "
-                            f"not {type(cache).__name__}")
+            raise TypeError(f"static shapes need a preallocated cache, not {type(cache).__name__}")
         device = cache.device
         self.capture = device.type == "cuda" if capture is None else capture
         if self.capture and device.type != "cuda":
@@ -88,9 +85,8 @@ def _side_stream(index: int) -> torch.cuda.Stream:
 
 
 def capture_graph(run, device: torch.device | str):
-    """``(graph, output, memory)``: ``run()`` captured after two warm-up calls (lazy init and
-    kernel choice must not be captured). ``memory``: what the capture added, ``allocated`` (its
-    output) and ``reserved`` (its pool), from an emptied cache, as ``torch.cuda.graph`` does."""
+    """``(graph, output, memory)``: ``run()`` captured after two warm-up calls (lazy init must not
+    be captured); ``memory``: what it added, from an emptied cache, as the capture empties it."""
     device = resolve(device)
     stream = _side_stream(device.index)
     stream.wait_stream(torch.cuda.current_stream(device))

@@ -66,9 +66,8 @@ class KVCache:
         self.seq_len = 0
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``[n, Hkv, D]`` into slots ``start..start+n``: one slice copy each, no allocation. Its
-        offset is a Python int, fixed into the kernel: a captured step, which must replay at a new
-        position, uses :meth:`write_at` instead."""
+        """``[n, Hkv, D]`` into slots ``start..start+n``: one slice copy each, no allocation. The
+        offset is fixed into the kernel: a captured step uses :meth:`write_at`."""
         end = check_kv(self, layer, start, k, v)
         self._k[layer][start:end] = k
         self._v[layer][start:end] = v

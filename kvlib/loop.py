@@ -50,8 +50,7 @@ class _NoTimer:
 @dataclass
 class Generation:
     """What :func:`generate` returns. ``step_s[i]`` times decode step i, over ``prompt_len + i + 1``
-    slots (``timed=True``: EOS is then looked for at every step, so no step is timed past it).
-    ``cache`` holds the prompt and every new token but the last."""
+    slots (``timed=True`` looks for EOS at every step); ``cache`` holds all tokens but the last."""
 
     tokens: list[int]
     prompt_len: int
@@ -117,12 +116,10 @@ def generate(model, input_ids, max_new_tokens, *, cache="prealloc",
              return_logits: bool = False, on_step=None, extrapolate: bool = False):
     """Generate up to ``max_new_tokens`` after ``input_ids`` ``[1, n]`` (or ``[n]``).
 
-    ``cache``: ``"prealloc"`` (a :class:`KVCache` of ``max_seq`` slots, default prompt + new
-    tokens), ``"cat"``, or a cache object, continued from its ``seq_len``. Greedy unless
-    ``temperature > 0``. EOS ``"auto"`` is the model's. ``prefill_chunk`` bounds the prefill's
-    workspace. A request past ``max_position_embeddings`` is refused unless ``extrapolate``. A list
-    of prompts is a ragged batch: each request keeps its own length, EOS, ``max_new_tokens`` and
-    cache, and each decode step runs every unfinished one in one forward.
+    ``cache``: ``"prealloc"`` (``max_seq`` slots, default prompt + new tokens), ``"cat"``, or a
+    cache object, continued from its ``seq_len``. ``prefill_chunk`` bounds the prefill's workspace.
+    A request past ``max_position_embeddings`` is refused unless ``extrapolate``. A list of prompts
+    is a ragged batch: each request keeps its own length, EOS, ``max_new_tokens`` and cache.
 
     ``step``: ``"eager"`` slices attention to the length; ``"static"`` reads fixed spans of
     ``bucket`` slots with a mask; ``"graph"`` replays those as CUDA graphs; a :class:`StaticStep`

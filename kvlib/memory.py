@@ -73,9 +73,8 @@ def free(device: torch.device | str) -> None:
 
 
 def largest(fits, hi: int, first: int | None = None, lo: int = 0) -> int:
-    """The largest ``n < hi`` with ``fits(n)``, by bisection: about ``log2(hi - lo)`` calls. Assumes
-    that what fits at ``n`` fits below ``n``, that ``lo`` fits (0: nothing may) and ``hi`` does not.
-    ``first`` (the plan) is tried first, so the search goes on above or below it."""
+    """The largest ``n < hi`` with ``fits(n)``, by bisection from ``lo`` (which fits, or is 0),
+    ``hi`` not fitting; ``first`` (the plan) is tried first, so the search goes on around it."""
     n = first
     while hi - lo > 1:
         if n is None or not lo < n < hi:
@@ -112,8 +111,7 @@ def cap_memory(gib: float, device: torch.device | str) -> Cap:
     pass the cap. A little generous: the CUDA context is outside it (:func:`allocator_budget`)."""
     device = resolve(device)
     if device.type != "cuda":
-        return Cap(gib, None, None, False,
-                   f"no {gib:g} GiB cap on {device.type}: no GPU allocator")
+        return Cap(gib, None, None, False, f"no {gib:g} GiB cap on {device.type}: no GPU allocator")
     total = torch.cuda.mem_get_info(device)[1]
     fraction = gib * GIB / total
     active = fraction < 1

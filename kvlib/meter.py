@@ -87,10 +87,8 @@ class AllocMeter(TorchDispatchMode):
 
 
 class MeteredCache:
-    """A cache whose ``write``/``view`` are metered under the region ``"cache"``: under
-    ``with meter:`` it separates what the *cache* allocates per step (0 for ``KVCache``, the whole
-    cache for a ``cat`` cache) from the model's activations. Every other attribute, read or written
-    (the loop advances ``seq_len``), is the wrapped cache's."""
+    """A cache whose ``write``/``view`` are metered under the region ``"cache"``, apart from the
+    model's activations; every other attribute, read or written, is the wrapped cache's."""
 
     def __init__(self, cache: Cache, meter: AllocMeter) -> None:
         object.__setattr__(self, "cache", cache)

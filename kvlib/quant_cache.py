@@ -104,8 +104,7 @@ def kv_format_bytes(config, kv: str = "bf16") -> int:
 
 @dataclass(frozen=True, repr=False)
 class WindowBudget(Budget):
-    """Each sequence holds at most ``window`` tokens of KV: once they fit, any context does, up to
-    the model's ``positions``; past them it is the model that stops, not the memory."""
+    """At most ``window`` tokens of KV a sequence: if they fit, any context up to ``positions``."""
 
     window: int = 1
     positions: int = 1

@@ -44,9 +44,8 @@ def _weights(model) -> int:
 
 @cache
 def _composite(func) -> bool:
-    """Whether a card runs ``func`` as other ops (a CompositeExplicitAutograd kernel, no device
-    one), whose temporaries are live together: the math path's ``_safe_softmax`` holds scores-sized
-    ones."""
+    """Whether a card runs ``func`` as other ops (a composite kernel and no device one), whose
+    temporaries are live together: the math path's ``_safe_softmax`` holds scores-sized ones."""
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     return has(func.name(), "CompositeExplicitAutograd") and not has(func.name(), "CPU")
 
@@ -221,10 +220,9 @@ def simulate(model, context: int, *, cache: str = "prealloc", card: Card | str =
 
 
 def fits_context(model, context: int, *, prefill_chunk: int = 512, decode: int = 4, **kw) -> bool:
-    """Whether every prompt up to ``context`` tokens, and its decode steps to ``context``, fit. A
-    prompt's peak depends on the size of its last chunk as well as on its length, so this makes two
-    tail runs: the prompt that fills the context but for ``decode`` steps, and the longest whose
-    last chunk is ``prefill_chunk - 1`` tokens (an unaligned mask the kernel must copy)."""
+    """Whether every prompt up to ``context`` tokens, and its decode steps to ``context``, fit: two
+    tail runs, the longest prompt and the longest whose last chunk is ``prefill_chunk - 1`` tokens
+    (a peak depends on the last chunk's size too: an unaligned mask the kernel must copy)."""
     model = _meta(model)
     kw.update(prefill_chunk=prefill_chunk, tail=True)
     prompt = context - decode
