@@ -1,8 +1,5 @@
-"""kvlib: the final code of the KV-cache course.
-
-The preallocated :class:`KVCache` and the ``cat`` baseline it replaces, the contract every cache keeps
-(:class:`~kvlib.cache.Cache`), the token loop that runs any of them, the models, and the instruments
-that measure them.
+"""kvlib: the KV caches of the course, the token loop that runs any of them (the contract:
+:class:`~kvlib.cache.Cache`), the models, and the instruments that measure them.
 
 Shapes are written in one axis legend, here and in every shape comment:
 
@@ -24,6 +21,6 @@ from .models import load_model, model_names
 from .quant_cache import QuantCache
 from .ring_cache import RingCache
 
-__all__ = ["AllocMeter", "Cache", "CatCache", "Generation", "KVCache", "MeteredCache", "QuantCache",
-           "RingCache", "auto_dtype", "default_device", "forward", "forward_static", "generate", "label",
-           "load_model", "model_names"]
+__all__ = ["AllocMeter", "Cache", "CatCache", "Generation", "KVCache", "MeteredCache",
+           "QuantCache", "RingCache", "auto_dtype", "default_device", "forward", "forward_static",
+           "generate", "label", "load_model", "model_names"]

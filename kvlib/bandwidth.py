@@ -1,9 +1,5 @@
-"""The memory-bandwidth limit of decoding.
-
-A decode step does little arithmetic per byte: every weight is read once to produce one token, and
-every cached K/V of the context is read once by attention. So a step cannot take less than
-``decode_bytes / bandwidth`` seconds, whatever the kernels do. Measured time over that floor is the
-memory bandwidth utilisation (MBU) of the token loop.
+"""The memory-bandwidth limit of decoding: a step reads every weight and cached K/V once, so it
+cannot take less than ``decode_bytes / bandwidth``, whatever the kernels do.
 """
 
 import torch
@@ -17,14 +13,9 @@ __all__ = ["decode_bytes", "floor_s_per_token", "mbu", "measure_bandwidth", "ste
            "twin_config"]
 
 
-def decode_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int,
-                 batch: int = 1) -> int:
-    """Bytes one decode step must move: all weights once, plus the K/V of ``context`` tokens.
-
-    The embedding lookup reads one row per sequence, not the table: a tied table is read whole once,
-    as the output head; an untied one only for its ``batch`` rows. Activations and the new token's
-    K/V write are left out: small, and this is a floor.
-    """
+def decode_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int, batch: int = 1) -> int:
+    """Bytes one decode step must move: all weights once (an untied embedding only for its
+    ``batch`` rows), plus the K/V of ``context`` tokens. A floor: activations are left out."""
     embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
     weights = (param_count(config) - embedding + batch * config.hidden_size) * dtype.itemsize
     return weights + kv_bytes_per_token(config, dtype, batch) * context
@@ -32,62 +23,42 @@ def decode_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int,
 
 def step_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int,
                cache: str = "prealloc", batch: int = 1) -> int:
-    """Bytes a decode step at ``context`` moves with a ``"prealloc"`` or a ``"cat"`` cache.
-
-    Both read :func:`decode_bytes`. A ``cat`` cache also copies itself into a longer tensor at
-    every step, K and V of every layer: it reads the whole cache and writes it again, ``2 * KV``
-    more.
-    """
+    """Bytes a decode step at ``context`` moves: :func:`decode_bytes`, and for a ``"cat"`` cache
+    ``2 * KV`` more, as it reads its whole cache and writes it again into a longer tensor."""
     if cache not in ("prealloc", "cat"):
         raise ValueError(f"cache must be 'prealloc' or 'cat', not {cache!r}")
     copy_bytes = 2 * kv_bytes_per_token(config, dtype, batch) * context if cache == "cat" else 0
     return decode_bytes(config, dtype, context, batch) + copy_bytes
 
 
-def twin_config(base: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
-                context: int = 4096, like: str = "qwen3-4b",
-                like_dtype: torch.dtype = torch.bfloat16,
-                like_context: int = 32768) -> PretrainedConfig:
-    """``base`` with its MLP resized so that at ``context`` its KV is to its weights, in bytes a
-    decode step reads, as ``like``'s at ``like_context``.
-
-    Decode time is bytes over bandwidth, so two models with the same KV-to-weights ratio have the
-    same ``cat`` / ``prealloc`` ratio of :func:`step_bytes`: a twin small enough for a CPU shows the
-    gap a 12 GB card at its limit would, and times it (random weights: only bytes and time matter).
-    """
-    def kv_over_weights(config, dt, ctx):
-        weights = decode_bytes(config, dt, 0)
-        return (decode_bytes(config, dt, ctx) - weights) / weights
-
-    target, twin = kv_over_weights(load_config(like), like_dtype, like_context), load_config(base)
-    kv = decode_bytes(twin, dtype, context) - decode_bytes(twin, dtype, 0)
+def twin_config(context: int = 4096) -> PretrainedConfig:
+    """SmolLM2-135M in fp32, its MLP resized so that at ``context`` its KV is to its weights as
+    Qwen3-4B's in bf16 at 32K: the same ``cat`` / ``prealloc`` ratio, small enough for a CPU."""
+    base, like, dtype = "smollm2-135m", load_config("qwen3-4b"), torch.float32
+    bf16 = torch.bfloat16
+    target = kv_bytes_per_token(like, bf16) * 32768 / decode_bytes(like, bf16, 0)  # KV / weights
+    twin = load_config(base)
+    kv = kv_bytes_per_token(twin, dtype) * context
     twin.intermediate_size = 0
     fixed = decode_bytes(twin, dtype, 0)
     twin.intermediate_size = 1
     width = round((kv / target - fixed) / (decode_bytes(twin, dtype, 0) - fixed))
     if width < 1:
         raise ValueError(f"{base} at {context:,} tokens holds {kv / MIB:.0f} MiB of KV: too little "
-                         f"to reach {like}'s KV/weights of {target:.3f} even with no MLP; take a "
+                         f"to reach qwen3-4b's KV/weights of {target:.3f} even with no MLP; take a "
                          f"longer context")
     twin.intermediate_size = width
     return twin
 
 
-def measure_bandwidth(device: torch.device | str, nbytes: int | None = None,
-                      repeats: int = 5) -> float:
-    """Achievable bandwidth in bytes/s: a large device-to-device copy, timed.
-
-    A copy reads ``nbytes`` and writes ``nbytes``, so it moves ``2 * nbytes``. The buffers (256 MiB
-    on CUDA, 64 MiB on CPU by default) are far larger than the processor's on-chip caches, so this
-    is memory bandwidth. It is what a copy achieves, a little under the datasheet number, and the
-    fair yardstick for a decode step, which is also a stream of reads.
-    """
+def measure_bandwidth(device: torch.device | str) -> float:
+    """Achievable bandwidth in bytes/s: a copy far larger than on-chip caches, timed. A stream of
+    reads like a decode step, a little under the datasheet number: the fair yardstick."""
     device = torch.device(device)
-    if nbytes is None:
-        nbytes = (256 if device.type == "cuda" else 64) * MIB
+    nbytes = (256 if device.type == "cuda" else 64) * MIB
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    timing = time_fn(lambda: dst.copy_(src), device=device, warmup=2, repeats=repeats)
+    timing = time_fn(lambda: dst.copy_(src), device=device, warmup=2, repeats=5)
     return 2 * nbytes / timing.median_s
 
 

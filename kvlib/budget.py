@@ -1,16 +1,6 @@
-"""The memory budget, computed before anything runs.
-
-A decoding model's memory is three things: the weights (fixed), the KV cache (grows by
-:func:`kv_bytes_per_token` with every token), and a transient workspace for one forward pass. All
-three follow from the Hugging Face config by arithmetic, so the longest context that fits a budget
-is known before a single byte is allocated: the largest with
-
-    weights + kv_bytes_per_token * context + workspace(context) <= budget
-
-The workspace grows with the context too: a prefill chunk attends to every cached token, through a
-mask (or, on the math path, scores) with a column per token. The arithmetic is checked against the
-real architecture on the ``meta`` device: its parameters (:func:`meta_param_count`), and its live
-bytes on a simulated card (:mod:`kvlib.simulate`).
+"""The memory budget, computed before anything runs: weights, KV per token and a forward's
+workspace (which grows with the context too) follow from the config, so the longest context with
+``weights + kv_bytes_per_token * context + workspace(context) <= budget`` is known in advance.
 """
 
 from collections.abc import Callable
@@ -21,20 +11,17 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from .config import GIB, MIB, head_dim, kv_bytes_per_token, kv_heads, load_config
+from .memory import largest
 
-__all__ = ["ATTENTION", "Budget", "meta_model", "meta_param_count", "param_count", "plan_budget",
-           "run_workspace", "weight_bytes", "workspace_bytes", "workspace_phases"]
+__all__ = ["ATTENTION", "Budget", "meta_model", "param_count", "plan_budget", "run_workspace",
+           "weight_bytes", "workspace_bytes", "workspace_phases"]
 
 FAMILIES = ("llama", "qwen2", "qwen3")  # the families param_count can count
 
 
 def param_count(config: PretrainedConfig) -> int:
-    """Parameters of a Llama / Qwen2 / Qwen3 causal LM, by arithmetic on the config.
-
-    Per layer: q/k/v/o projections (Qwen2 always biases q/k/v; ``attention_bias`` biases all four),
-    Qwen3's per-head ``q_norm``/``k_norm``, the gated MLP (gate/up/down), two RMSNorms. Plus the
-    embedding, the final norm, and an output head unless it is tied to the embedding.
-    """
+    """Parameters of a Llama / Qwen2 / Qwen3 causal LM by arithmetic on the config (Qwen2 always
+    biases q/k/v; ``attention_bias`` all four; Qwen3 adds ``q_norm``/``k_norm``)."""
     kind = config.model_type
     if kind not in FAMILIES:
         raise ValueError(f"param_count knows {FAMILIES}, not model_type={kind!r}")
@@ -67,35 +54,20 @@ def meta_model(config: PretrainedConfig | str, dtype: torch.dtype = torch.bfloat
         return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
-def meta_param_count(config: PretrainedConfig) -> int:
-    """Parameters of the real model, built on ``meta``: ``parameters()`` yields a tied weight once,
-    as :func:`param_count` counts it."""
-    return sum(p.numel() for p in meta_model(config).parameters())
-
-
 ATTENTION = ("fused", "math")  # the kernels a plan prices: fused (flash, memory-efficient) or math
 
 
 def workspace_phases(config: PretrainedConfig, dtype: torch.dtype, tokens: int = 1, *,
                      attention: str = "fused",
                      cache: str = "prealloc") -> dict[str, tuple[int, int]]:
-    """Transient bytes of each phase of kvlib's forward that can peak: ``(fixed, per token of
-    context)``.
+    """Transient bytes of each phase of kvlib's forward that can peak: ``(fixed, per token)``.
 
-    A prefill chunk of n = ``tokens`` new tokens after S cached ones holds, for its whole
-    forward, the visibility ``[n, S]`` (bool) and the additive mask ``[group * n, S]`` that the
-    decoder builds once for all layers, and small activations (x and normed x ``[n, d]``, q roped
-    and folded, k, v, the previous step's logits). On top of that, one at a time:
-
-    - ``mask``: building it, zeros and their masked copy ``[n, S]`` live before the repeat;
-    - ``attention``, fused: the output and log-sum-exp, and the memory-efficient kernel's padded
-      copy of a mask whose rows are not 8-aligned (torch's ``preprocess_mask``); math: q, K and V
-      upcast to fp32, the scores and their softmax ``[Hq, n, S]`` in fp32 and their -inf test;
-    - ``decode``, math only: one token with grouped heads, K and V upcast, copied per query head and
-      K transposed;
-    - ``cat``: a layer's old K (or V) while ``torch.cat`` builds the longer one;
-    - ``mlp``: gate, up and their product ``[n, intermediate]``; ``logits``: ``[V]``, and an fp32
-      copy to sample from.
+    A chunk of n = ``tokens`` after S cached ones holds, all forward long, the visibility ``[n, S]``
+    and the mask ``[group * n, S]`` built once for all layers, and small activations. On top, one at
+    a time: ``mask`` (zeros and their masked copy ``[n, S]``); ``attention`` (fused: output,
+    log-sum-exp and a padded mask copy; math: q, K, V in fp32, the scores and softmax ``[Hq, n, S]``
+    in fp32); ``decode`` (math: K and V upcast and copied per query head); ``cat`` (a layer's old K
+    while the longer one is built); ``mlp`` (gate, up, product); ``logits`` (and an fp32 copy).
     """
     if attention not in ATTENTION or cache not in ("prealloc", "cat"):
         raise ValueError(f"attention must be one of {ATTENTION} and cache prealloc or cat, "
@@ -121,8 +93,7 @@ def workspace_phases(config: PretrainedConfig, dtype: torch.dtype, tokens: int =
 def workspace_bytes(config: PretrainedConfig, dtype: torch.dtype, tokens: int = 1,
                     batch: int = 1, *, context: int = 0, attention: str = "fused",
                     cache: str = "prealloc") -> int:
-    """Transient bytes of one forward of ``tokens`` new tokens after ``context`` cached ones: the
-    largest of :func:`workspace_phases`, which are not live at the same time."""
+    """Transient bytes of one forward: the largest of :func:`workspace_phases` (never all live)."""
     phases = workspace_phases(config, dtype, tokens, attention=attention, cache=cache)
     return batch * max(fixed + per_token * context for fixed, per_token in phases.values())
 
@@ -130,14 +101,8 @@ def workspace_bytes(config: PretrainedConfig, dtype: torch.dtype, tokens: int = 
 def run_workspace(config: PretrainedConfig, dtype: torch.dtype, context: int,
                   prefill_chunk: int = 512, batch: int = 1, *, attention: str = "fused",
                   cache: str = "prealloc") -> int:
-    """What a run to ``context`` tokens holds at its peak beyond the weights and ``context`` tokens
-    of KV.
-
-    The worst of its moments, whatever the prompt's length: a full prefill chunk (the last one ends
-    at ``context // prefill_chunk * prefill_chunk``), a last partial chunk ending at ``context``, a
-    decode step. A preallocated cache holds all ``context`` slots throughout; a ``cat`` cache only
-    the tokens so far, so its prefill moments are priced with less KV.
-    """
+    """What a run to ``context`` tokens holds at its peak beyond the weights and their KV: the
+    worst of the last full chunk, a last partial one and a decode step (``cat``: less KV before)."""
     kv = kv_bytes_per_token(config, dtype, batch)
     full, worst = context // prefill_chunk * prefill_chunk, 0
     for end, tokens in ((full, prefill_chunk), (context, context - full), (context, 1)):
@@ -150,14 +115,8 @@ def run_workspace(config: PretrainedConfig, dtype: torch.dtype, context: int,
 
 @dataclass(frozen=True)
 class Budget:
-    """Bytes of a memory budget: fixed weights, KV per token, and ``workspace_at(context)``, what a
-    run to that context holds at its peak beyond them (it grows with the context: the mask's
-    columns, the scores' columns, a ``cat``'s copy). ``max_context`` and the ``workspace`` there
-    are computed once, and are what ``asdict`` stores.
-
-    ``budget`` is what the caching allocator may hold (the CUDA context lies outside it and is not
-    counted).
-    """
+    """Fixed weights, KV per token, and ``workspace_at(context)``, under ``budget`` (what the
+    allocator may hold); ``max_context`` and its ``workspace`` are computed once, for ``asdict``."""
 
     weights: int
     kv_per_token: int
@@ -168,10 +127,8 @@ class Budget:
 
     def __post_init__(self, workspace_at) -> None:
         object.__setattr__(self, "_workspace_at", workspace_at or (lambda context: 0))
-        lo, hi = 0, max(1, (self.budget - self.weights) // self.kv_per_token + 1)
-        while hi - lo > 1:  # both the KV and the workspace grow with the context
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.breakdown(mid)["free"] >= 0 else (lo, mid)
+        hi = max(1, (self.budget - self.weights) // self.kv_per_token + 1)  # the KV alone
+        lo = largest(lambda n: self.breakdown(n)["free"] >= 0, hi)  # the workspace grows too
         object.__setattr__(self, "max_context", lo)
         object.__setattr__(self, "workspace", self._workspace_at(lo))
 
@@ -190,12 +147,8 @@ class Budget:
 def plan_budget(config: PretrainedConfig, dtype: torch.dtype, budget_bytes: int, batch: int = 1,
                 prefill_chunk: int = 512, *, attention: str = "fused",
                 cache: str = "prealloc") -> Budget:
-    """The :class:`Budget` of ``config`` in ``dtype`` under ``budget_bytes``, for kvlib's token loop
-    with ``prefill_chunk``-token chunks and a ``"prealloc"`` or ``"cat"`` cache.
-
-    ``attention``: ``"fused"`` for a card whose kernels take kvlib's shapes (sm >= 8.0), ``"math"``
-    where they fall back to the math path (see :func:`kvlib.cards.sdpa_kernel`).
-    """
+    """The :class:`Budget` of ``config`` in ``dtype`` for kvlib's token loop; ``attention``:
+    ``"fused"`` (sm >= 8.0) or ``"math"``, where kernels fall back (``cards.sdpa_kernel``)."""
     if budget_bytes <= 0 or batch < 1 or prefill_chunk < 1:
         raise ValueError(f"bad budget: budget_bytes={budget_bytes} batch={batch} "
                          f"prefill_chunk={prefill_chunk}")

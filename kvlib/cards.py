@@ -1,13 +1,8 @@
-"""Named cards: memory, compute capability and memory bandwidth, from the vendors' spec sheets; and
-what follows from them: the attention kernel a call runs (:func:`sdpa_kernel`) and what it allocates
-(:func:`fused_sdpa`, :class:`Kernels` for the simulated card), and the bandwidth floor of a decode
-step (:meth:`Card.predicted_ms_per_token`).
+"""Named cards from the vendors' spec sheets, and what follows from them: the attention kernel a
+call runs, what it allocates on the simulated card, and the bandwidth floor of a decode step.
 
-Two units, on purpose. Sheets write memory in "GB", but memory chips come in binary sizes (an
-A100 40GB is five 8 GiB HBM2 stacks), so ``memory`` reads the sheet's GB as GiB: the ceiling, of
-which ECC, the driver and the CUDA context take a little. Bandwidth is decimal: "1,555 GB/s" is
-1.555e12 B/s.
-Compute capabilities: https://developer.nvidia.com/cuda-gpus.
+Sheets write memory in "GB", but chips come in binary sizes, so ``memory`` reads the GB as GiB:
+the ceiling. Bandwidth is decimal. Compute capabilities: https://developer.nvidia.com/cuda-gpus.
 """
 
 from dataclasses import dataclass
@@ -39,8 +34,8 @@ class Card:
 
     def predicted_ms_per_token(self, config: PretrainedConfig, dtype: torch.dtype, context: int,
                                cache: str = "prealloc") -> float:
-        """A prediction, not a measurement: the bandwidth floor of a decode step at ``context``, the
-        bytes it moves (:func:`kvlib.bandwidth.step_bytes`) over the sheet's bandwidth, in ms."""
+        """A prediction, not a measurement: the bandwidth floor of a decode step at ``context``,
+        in ms (:func:`kvlib.bandwidth.step_bytes` over the sheet's bandwidth)."""
         return 1e3 * floor_s_per_token(step_bytes(config, dtype, context, cache), self.bandwidth)
 
 
@@ -49,10 +44,10 @@ _A100 = ("https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pd
 CARDS = {c.name: c for c in (
     Card("T4", 16, 7.5, 320e9, "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/"
          "tesla-t4/t4-tensor-core-datasheet-951643.pdf (16 GB GDDR6, 320+ GB/s)"),
-    Card("RTX 3060", 12, 8.6, 360e9, "https://www.nvidia.com/en-us/geforce/graphics-cards/30-series/"
-         "rtx-3060-3060ti/ (12 GB GDDR6, 192-bit at 15 Gbps: 360 GB/s)"),
-    Card("RTX 4070", 12, 8.9, 504e9, "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/"
-         "rtx-4070-family/ (12 GB GDDR6X, 192-bit at 21 Gbps: 504 GB/s)"),
+    Card("RTX 3060", 12, 8.6, 360e9, "https://www.nvidia.com/en-us/geforce/graphics-cards/"
+         "30-series/rtx-3060-3060ti/ (12 GB GDDR6, 192-bit at 15 Gbps: 360 GB/s)"),
+    Card("RTX 4070", 12, 8.9, 504e9, "https://www.nvidia.com/en-us/geforce/graphics-cards/"
+         "40-series/rtx-4070-family/ (12 GB GDDR6X, 192-bit at 21 Gbps: 504 GB/s)"),
     Card("A100 40GB", 40, 8.0, 1555e9, _A100 + " (40GB HBM2, 1,555 GB/s)"),
     Card("A100 80GB", 80, 8.0, 2039e9, _A100 + " (80GB HBM2e SXM, 2,039 GB/s)"),
     Card("H100 80GB", 80, 9.0, 3.35e12, "https://www.nvidia.com/en-us/data-center/h100/ "
@@ -75,12 +70,9 @@ def card(name: str | Card) -> Card:
 
 
 def sdpa_kernel(sm: float, q: torch.Tensor, k: torch.Tensor, mask, enable_gqa: bool) -> str:
-    """The kernel torch's CUDA dispatcher picks for this call, with its default settings.
-
-    In priority order (torch's ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``): flash
-    needs sm >= 8.0, fp16/bf16 and no mask, and takes grouped KV heads; memory-efficient needs
-    sm >= 5.0 (bf16 from 8.0) and takes a mask but not grouped KV heads; math takes anything.
-    """
+    """The kernel torch's CUDA dispatcher picks for this call by default (``sdp_utils.cpp``):
+    flash needs sm >= 8.0, fp16/bf16 and no mask, and takes grouped KV heads; memory-efficient needs
+    sm >= 5.0 (bf16 from 8.0) and takes a mask but not grouped KV heads; math takes anything."""
     grouped = enable_gqa and q.shape[-3] != k.shape[-3]
     if sm >= 8.0 and mask is None and q.dtype in (torch.float16, torch.bfloat16):
         return "flash"
@@ -90,9 +82,8 @@ def sdpa_kernel(sm: float, q: torch.Tensor, k: torch.Tensor, mask, enable_gqa: b
 
 
 def fused_sdpa(q: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
-    """What a fused kernel allocates: the output ``[B, Hq, n, D]``, at most an fp32 log-sum-exp
-    ``[B, Hq, n]``, and, for a mask whose rows are not 8-aligned, the memory-efficient kernel's
-    padded copy of it (``preprocess_mask`` in torch's ``attention.cpp``), alive during the call."""
+    """What a fused kernel allocates: the output, an fp32 log-sum-exp, and the memory-efficient
+    kernel's padded copy of a mask whose rows are not 8-aligned (torch's ``preprocess_mask``)."""
     B, H, n, _ = q.shape
     unaligned = mask is not None and any(s % 8 for s in mask.stride()[:-1])
     pad = F.pad(mask, (0, 8 - mask.shape[-1] % 8)) if unaligned else None
@@ -103,9 +94,8 @@ def fused_sdpa(q: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
 
 
 class Kernels(TorchFunctionMode):
-    """Route each SDPA call: the math path if ``attention == "math"``, else :func:`sdpa_kernel` at
-    ``sm``; the mask and the kernel's bytes go to regions of the ``ledger``
-    (:class:`kvlib.simulate.Ledger`). ``counts`` tallies the kernels chosen."""
+    """Route each SDPA call as :func:`sdpa_kernel` at ``sm`` would (or to the math path), the
+    mask and the kernel's bytes to regions of the ``ledger``; ``counts`` tallies the kernels."""
 
     def __init__(self, ledger, sm: float, attention: str = "auto") -> None:
         super().__init__()

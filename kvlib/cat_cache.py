@@ -1,15 +1,10 @@
-"""The naive baseline: a cache that grows by ``torch.cat`` on every write.
-
-This is what ``transformers``' ``DynamicCache`` does:
-per layer, ``[1, n_kv_heads, seq, head_dim]`` tensors, and each new token makes new ones of ``seq + 1``
-slots, copying the old contents across. It has the same ``write`` / ``view`` / ``reset`` / ``seq_len`` /
-``nbytes`` interface as :class:`kvlib.KVCache`, so the same token loop runs either one and any
-difference measured is the cache's alone.
+"""The naive baseline, what ``transformers``' ``DynamicCache`` does: per layer ``[1, Hkv, S, D]``
+tensors, and each new token makes new ones of ``S + 1`` slots, copying the old contents across.
 """
 
 import torch
 
-from .cache import bytes_per_token, check_kv
+from .cache import bytes_per_token, check_kv, check_view
 from .config import MIB, head_dim, kv_heads
 from .env import default_device
 
@@ -17,20 +12,18 @@ __all__ = ["CatCache"]
 
 
 class CatCache:
-    """Per-layer K/V that are replaced by a longer copy on every write.
-
-    A ``cat`` can only put new slots at the end: a write at ``start`` first drops any slots from
-    ``start`` on (as ``DynamicCache.crop`` does), and a write past the end is refused. ``max_seq`` is
-    ``None``: nothing bounds it but memory, which is the problem.
-    """
+    """Per-layer K/V replaced by a longer copy on every write; a write at ``start`` drops the slots
+    from ``start`` on. Nothing bounds ``max_seq`` but memory, which is the problem."""
 
     max_seq = None
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *,
-                 device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
+                 device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
         if min(n_layers, n_kv_heads, head_dim) < 1:
-            raise ValueError(f"bad shape: layers={n_layers} kv_heads={n_kv_heads} head_dim={head_dim}")
-        self.n_layers, self.n_kv_heads, self.head_dim = int(n_layers), int(n_kv_heads), int(head_dim)
+            raise ValueError(f"bad shape: layers={n_layers} kv_heads={n_kv_heads} "
+                             f"head_dim={head_dim}")
+        self.n_layers, self.n_kv_heads, self.head_dim = map(int, (n_layers, n_kv_heads, head_dim))
         self._empty = torch.empty(1, self.n_kv_heads, 0, self.head_dim, dtype=dtype,
                                   device=default_device() if device is None else device)
         self.reset()
@@ -40,49 +33,33 @@ class CatCache:
         return cls(config.num_hidden_layers, kv_heads(config), head_dim(config),
                    device=device, dtype=dtype or torch.bfloat16)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._empty.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self._empty.device
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-    @property
-    def mib(self) -> float:
-        return self.nbytes / MIB
-
-    @property
-    def bytes_per_token(self) -> int:
-        return bytes_per_token(self)
+    dtype = property(lambda self: self._empty.dtype)
+    device = property(lambda self: self._empty.device)
+    nbytes = property(lambda self: sum(t.numel() * t.element_size() for t in self.k + self.v))
+    mib = property(lambda self: self.nbytes / MIB)
+    bytes_per_token = property(bytes_per_token)
 
     def reset(self) -> None:
         """New request: drop every layer's tensors (the allocator may keep the blocks)."""
-        self.k, self.v, self.seq_len = [self._empty] * self.n_layers, [self._empty] * self.n_layers, 0
+        self.k, self.v = [self._empty] * self.n_layers, [self._empty] * self.n_layers
+        self.seq_len = 0
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append ``[n, n_kv_heads, head_dim]``: allocate ``start + n`` slots, copy all."""
+        """Append ``[n, Hkv, D]``: allocate ``start + n`` slots, copy all."""
         check_kv(self, layer, start, k, v)
         held = self.k[layer].shape[2]
         if start > held:
-            raise ValueError(f"CatCache can only append: writing at slot {start}, layer {layer} holds {held}")
+            raise ValueError(f"CatCache can only append: writing at slot {start}, "
+                             f"layer {layer} holds {held}")
         # [n, H, D] -> [1, H, n, D], then the whole-cache copy this course is about.
-        self.k[layer] = torch.cat([self.k[layer][:, :, :start], k.permute(1, 0, 2).unsqueeze(0)], dim=2)
-        self.v[layer] = torch.cat([self.v[layer][:, :, :start], v.permute(1, 0, 2).unsqueeze(0)], dim=2)
+        for old, new in ((self.k, k), (self.v, v)):
+            old[layer] = torch.cat([old[layer][:, :, :start], new.permute(1, 0, 2)[None]], dim=2)
 
     def view(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[1, n_kv_heads, seq, head_dim]``: the layer's tensors, sliced."""
-        if not 0 <= layer < self.n_layers:
-            raise IndexError(f"layer {layer} out of range for n_layers={self.n_layers}")
-        held = self.k[layer].shape[2]
-        if not 0 <= seq <= held:
-            raise ValueError(f"view of {seq} slots from a layer holding {held}")
+        check_view(self, layer, seq, lambda: self.k[layer].shape[2], "a layer holding {}")
         return self.k[layer][:, :, :seq], self.v[layer][:, :, :seq]
 
     def __repr__(self) -> str:
-        return (f"CatCache(layers={self.n_layers}, kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
-                f"dtype={self.dtype}, {self.mib:.1f} MiB, seq_len={self.seq_len})")
+        return (f"CatCache(layers={self.n_layers}, kv_heads={self.n_kv_heads}, "
+                f"head_dim={self.head_dim}, dtype={self.dtype}, {self.mib:.1f} MiB, "
+                f"seq_len={self.seq_len})")

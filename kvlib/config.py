@@ -1,8 +1,5 @@
-"""What a model's config says about its KV cache, and the units every byte count is given in.
-
-Everything a cache's size follows from is in the Hugging Face config: layers, KV heads, head_dim. The
-configs of the course's models ship in ``kvlib/configs/`` so that the arithmetic, and the ``meta``
-models built from it, need no network.
+"""What a model's config says about its KV cache, and the byte units. The course's configs ship in
+``kvlib/configs/``, so the arithmetic and the ``meta`` models built from it need no network.
 """
 
 import json
@@ -11,8 +8,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-__all__ = ["GIB", "MIB", "head_dim", "kv_bytes_per_token", "kv_heads", "kv_token_bytes", "load_config",
-           "shipped_configs"]
+__all__ = ["GIB", "MIB", "head_dim", "kv_bytes_per_token", "kv_heads", "kv_token_bytes",
+           "load_config", "shipped_configs"]
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -43,15 +40,12 @@ def kv_heads(config: PretrainedConfig) -> int:
 
 
 def kv_token_bytes(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """K and V for one more token, all layers: ``2 * L * Hkv * D * bytes per element``.
-
-    The one formula every cache's ``bytes_per_token`` and every plan uses. Only the KV heads count:
-    with GQA the query heads share them, which is why Qwen3-4B costs 144 KiB a token in bf16 and not
-    four times that.
-    """
+    """K and V for one more token, all layers: ``2 * L * Hkv * D * bytes per element``, the one
+    formula every cache and plan uses. Only the KV heads count: query heads share them under GQA."""
     return 2 * n_layers * n_kv_heads * head_dim * dtype.itemsize
 
 
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, batch: int = 1) -> int:
     """:func:`kv_token_bytes` of a config, for ``batch`` sequences."""
-    return batch * kv_token_bytes(config.num_hidden_layers, kv_heads(config), head_dim(config), dtype)
+    L, Hkv, D = config.num_hidden_layers, kv_heads(config), head_dim(config)
+    return batch * kv_token_bytes(L, Hkv, D, dtype)

@@ -1,26 +1,11 @@
-"""One forward of the token loop: n new tokens through the model, over a cache.
+"""One forward of the token loop, written against the model's own modules (so the weights, RoPE
+scaling and numerics are the model's; only the cache and the attention call are ours). A ragged
+batch packs every request's tokens into one row ``[1, N]``: the weights are read once for all.
 
-It is written against the model's own modules (embeddings, norms, q/k/v/o projections, q/k norms where
-the model has them, the rotary embedding, the MLP, the head), so the weights, the RoPE scaling of the
-checkpoint and the numerics are the model's; only the cache and the attention call are ours.
-
-Two entry points share one layer loop. :func:`forward` is the eager step: ``start`` is a Python int,
-attention reads exactly the slots written so far, and each call has new shapes. :func:`forward_static`
-is the step a CUDA graph can capture: the position is a device tensor and attention reads a fixed
-``span`` of slots, masking those past the position.
-
-A ragged batch (:func:`forward` given lists) packs every request's new tokens into one row,
-``[1, N]`` with ``N = sum(n_i)``: the projections and the MLP read the weights once for all of them,
-and there is no padding to compute or to mask. Only attention is per request: each request's queries
-read its own cache's slots, so no request can see another's tokens, whatever their lengths.
-
-Grouped-query attention is never expanded with a copy. Where a query sees every slot (a decode step),
-each KV head's group of query heads is folded into rows, ``[1, Hkv, group * n, D]``: a plain
-multi-head call every fused kernel takes, on every card. A prefill from an empty cache is causal; it
-passes ``enable_gqa`` where a fused kernel takes it (the CPU, and flash on sm >= 8.0) and is folded
-with a mask elsewhere (the math kernel would copy K/V once per query head). A chunk after earlier
-tokens is folded with a mask too. cuDNN attention is left out on CUDA: it builds a plan for every new
-shape, and an eager decode step has a new length every step.
+Grouped-query attention is never expanded with a copy. Where a query sees every slot (decode), each
+KV head's query heads are folded into rows, ``[1, Hkv, group * n, D]``, a call every fused kernel
+takes. A prefill from an empty cache is causal with ``enable_gqa`` where a fused kernel takes it;
+otherwise it is folded with a mask. cuDNN attention is off: it plans every new shape.
 """
 
 import functools
@@ -44,44 +29,42 @@ _PARTS = {
     "decoder layer": ({"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}, set()),
     "attention": ({"q_proj", "k_proj", "v_proj", "o_proj"}, {"q_norm", "k_norm"}),
 }
-_CONFIG_REFUSED = {  # config attribute -> what the loop would get wrong, unless the value is neutral
-    "attn_logit_softcapping": "soft-capped attention logits", "final_logit_softcapping": "soft-capped logits",
+_CONFIG_REFUSED = {  # config attribute -> what the loop would get wrong, unless it is neutral
+    "attn_logit_softcapping": "soft-capped attention logits", "clip_qkv": "clipped q/k/v",
+    "final_logit_softcapping": "soft-capped logits", "logits_scaling": "scaled logits",
     "embedding_multiplier": "scaled embeddings", "residual_multiplier": "scaled residuals",
-    "logits_scaling": "scaled logits", "clip_qkv": "clipped q/k/v",
 }
 
 
 def _parts(module) -> set[str]:
-    return {n for n, _ in module.named_children()} | {n for n, _ in module.named_parameters(recurse=False)}
+    return {n for n, _ in [*module.named_children(), *module.named_parameters(recurse=False)]}
 
 
 def check_supported(model, window: int | None = None) -> None:
-    """Refuse, by what it contains, a model this loop would compute wrongly.
-
-    Any family built from the parts above runs (Llama, Mistral, Qwen2, Qwen3, Gemma, ...); the error
-    names the part that is not. Sliding-window layers run over a cache of their ``window`` (a
-    :class:`~kvlib.ring_cache.RingCache`'s); a window on a full-attention model is the caller's
-    choice.
-    """
+    """Refuse, naming the part, a model this loop would compute wrongly: any family built of the
+    parts above runs. Sliding-window layers need a ``RingCache`` of their ``window``."""
     config, body = model.config, getattr(model, "model", None)
     layer = body.layers[0] if body is not None and len(getattr(body, "layers", ())) else None
-    modules = {"model": body, "decoder layer": layer, "attention": getattr(layer, "self_attn", None)}
-    for where, (must, may) in _PARTS.items():
-        have = set() if modules[where] is None else _parts(modules[where])
+    attention = getattr(layer, "self_attn", None)
+    who = f"{type(model).__name__} ({config.model_type!r})"
+    for where, module in (("model", body), ("decoder layer", layer), ("attention", attention)):
+        must, may = _PARTS[where]
+        have = set() if module is None else _parts(module)
         if extra := sorted(have - must - may):
-            raise NotImplementedError(f"{type(model).__name__} ({config.model_type!r}): its {where} has "
-                                      f"{extra}, which kvlib's token loop does not compute")
+            raise NotImplementedError(f"{who}: its {where} has {extra}, which kvlib's token loop "
+                                      f"does not compute")
         if missing := sorted(must - have):
-            raise NotImplementedError(f"{type(model).__name__} ({config.model_type!r}): its {where} lacks "
-                                      f"{missing}, which kvlib's token loop needs")
+            raise NotImplementedError(f"{who}: its {where} lacks {missing}, which kvlib's token "
+                                      f"loop needs")
     for attr, what in _CONFIG_REFUSED.items():
-        if getattr(config, attr, None) not in (None, 1, 1.0):
-            raise NotImplementedError(f"{config.model_type!r} has {what} ({attr}={getattr(config, attr)}); "
+        if (value := getattr(config, attr, None)) not in (None, 1, 1.0):
+            raise NotImplementedError(f"{config.model_type!r} has {what} ({attr}={value}); "
                                       f"kvlib's token loop does not compute them")
-    _rope_of(type(modules["attention"]))
+    _rope_of(type(attention))
     if 0 in (getattr(config, "no_rope_layers", None) or []):
         raise NotImplementedError(f"{config.model_type!r} has layers without RoPE (no_rope_layers="
-                                  f"{config.no_rope_layers}); kvlib's token loop rotates every layer")
+                                  f"{config.no_rope_layers}); kvlib's token loop rotates every "
+                                  f"layer")
     kinds = getattr(config, "layer_types", None) or []
     windowed = [t for t in kinds if t != "full_attention"]
     if windowed and (len(windowed) < len(kinds) or windowed[0] != "sliding_attention"):
@@ -98,7 +81,7 @@ def check_supported(model, window: int | None = None) -> None:
 
 @functools.cache
 def _gqa_fused(device: torch.device) -> bool:
-    """Does a fused kernel take ``enable_gqa`` here? The CPU's flash and CUDA flash (sm >= 8.0) do."""
+    """Does a fused kernel take ``enable_gqa`` here? The CPU's flash and CUDA's (sm >= 8.0) do."""
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
 
 
@@ -133,8 +116,9 @@ def _rope_of(attention_class: type) -> Callable:
     """The model's own ``apply_rotary_pos_emb``: rotate-half or interleaved, partial or whole."""
     rope = getattr(sys.modules[attention_class.__module__], "apply_rotary_pos_emb", None)
     if rope is None:
-        raise NotImplementedError(f"{attention_class.__name__}'s module has no apply_rotary_pos_emb; "
-                                  f"kvlib's token loop applies the model's own RoPE")
+        raise NotImplementedError(f"{attention_class.__name__}'s module has no "
+                                  f"apply_rotary_pos_emb; kvlib's token loop applies the model's "
+                                  f"own RoPE")
     return rope
 
 
@@ -182,10 +166,8 @@ def _run(model, ids: torch.Tensor, positions: torch.Tensor, passes: list[_Pass])
 
 
 def _mask(model, visible: torch.Tensor) -> torch.Tensor:
-    """``visible`` ``[n, S]`` bool -> the additive mask of the folded rows, ``[group * n, S]``.
-
-    In the model's dtype and built once per forward, so no layer converts it again.
-    """
+    """``visible`` ``[n, S]`` bool -> the additive mask of the folded rows, ``[group * n, S]``. In
+    the model's dtype and built once per forward, so no layer converts it again."""
     group = model.config.num_attention_heads // model.config.num_key_value_heads
     mask = torch.zeros(visible.shape, dtype=model.dtype, device=visible.device)
     return mask.masked_fill(~visible, float("-inf")).repeat(group, 1)
@@ -209,12 +191,8 @@ def _eager_pass(model, cache: Cache, start: int, rows: slice) -> _Pass:
 
 @torch.no_grad()  # inference only: a cache must never hold autograd history
 def forward(model, ids, cache, start) -> torch.Tensor:
-    """Run ``ids`` ``[1, n]`` at positions ``start..start+n``; return the last logits ``[1, V]``.
-
-    Every layer writes its K/V for those slots and reads slots ``0..start+n``; then
-    ``cache.seq_len = start + n``. A ragged batch passes lists, one ``[1, n_i]`` / cache / start per
-    request, and gets each request's last logits, ``[B, V]``.
-    """
+    """Run ``ids`` ``[1, n]`` at slots ``start..start+n``, then ``cache.seq_len = start + n``;
+    return the last logits ``[1, V]``. A batch passes lists (ids, caches, starts): ``[B, V]``."""
     batch = isinstance(cache, (list, tuple))
     ids, caches, starts = (ids, cache, start) if batch else ([ids], [cache], [start])
     if not len(ids) == len(caches) == len(starts) > 0:
@@ -234,13 +212,10 @@ def forward(model, ids, cache, start) -> torch.Tensor:
 
 
 @torch.no_grad()
-def forward_static(model, token: torch.Tensor, cache: Cache, pos: torch.Tensor, span: int) -> torch.Tensor:
-    """One token ``[1, 1]`` at the device position ``pos`` ``[1]``, reading ``span`` slots, masked.
-
-    Every shape is fixed by ``span``, and nothing reads ``pos`` on the host, so a CUDA graph can
-    capture this call and replay it at any position below ``span``. For the same reason it cannot set
-    ``cache.seq_len``: the caller, who knows the position on the host, does (:class:`StaticStep`).
-    """
+def forward_static(model, token: torch.Tensor, cache: Cache, pos: torch.Tensor,
+                   span: int) -> torch.Tensor:
+    """One token at the device position ``pos`` ``[1]``, reading ``span`` slots, masked: nothing
+    reads ``pos`` on the host, so a graph replays it anywhere, and the caller sets ``seq_len``."""
     visible = (torch.arange(span, device=token.device) <= pos).view(1, span)
     step = _Pass(rows=slice(0, 1), cache=cache, end=span, causal=False, mask=_mask(model, visible),
                  write=lambda c, layer, k, v: c.write_at(layer, pos, k, v))

@@ -1,9 +1,5 @@
-"""Where a result was measured, in one line that travels with it.
-
-A number without its device, dtype, memory cap, allocator settings and library versions cannot be
-compared with anything, so every figure and printed result carries :func:`label`. The dtype rule
-lives here too, because it is a fact about the hardware: bf16 only where the card computes it
-natively.
+"""Where a result was measured, in one line that travels with it: a number without its device,
+dtype, cap, allocator settings and versions cannot be compared with anything.
 """
 
 import os
@@ -16,12 +12,8 @@ __all__ = ["allocator_settings", "auto_dtype", "default_device", "describe", "la
 
 
 def resolve(device: torch.device | str) -> torch.device:
-    """``device`` as a ``torch.device``; a bare ``"cuda"`` becomes the current CUDA device, indexed.
-
-    ``torch.cuda`` is not consistent about a device without an index: ``memory_allocated("cuda")``
-    reads the current device, ``set_per_process_memory_fraction(torch.device("cuda"))`` raises. So
-    every kvlib function that hands a device to ``torch.cuda`` resolves it here first.
-    """
+    """``device`` as a ``torch.device``, a bare ``"cuda"`` indexed: ``torch.cuda`` functions
+    disagree about a device without an index (some read the current one, some raise)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
@@ -34,12 +26,8 @@ def default_device() -> torch.device:
 
 
 def auto_dtype(device: torch.device | str) -> torch.dtype:
-    """bf16 on compute capability >= 8.0 (Ampere on), fp16 on older CUDA, else fp32.
-
-    Not ``torch.cuda.is_bf16_supported()``: on a T4 (7.5) it can answer True because bf16 is
-    *emulated*, which runs but is slow and teaches the wrong speed. fp32 on CPU, where fp16/bf16
-    matmuls are mostly slower, not faster.
-    """
+    """bf16 on sm >= 8.0, fp16 on older CUDA, fp32 on the CPU (half precision is mostly slower
+    there). Not ``is_bf16_supported()``: a T4 says True for an *emulated*, slow bf16."""
     device = torch.device(device)  # a bare "cuda" is fine here: torch reads the current card
     if device.type != "cuda":
         return torch.float32
@@ -47,14 +35,8 @@ def auto_dtype(device: torch.device | str) -> torch.dtype:
 
 
 def allocator_settings(device: torch.device | str) -> dict:
-    """What the CUDA caching allocator is running with, asked of the allocator.
-
-    ``config`` is the option string the allocator last parsed (from ``PYTORCH_ALLOC_CONF`` at
-    start-up or a later runtime change), so it is what took effect, not what the environment says
-    now. ``expandable_segments`` is read from the live segments when any exist (each segment knows
-    whether it is expandable: a setting the platform cannot honour is not), else from ``config``.
-    Each probe is guarded so older torch releases return what they can. ``{}`` off CUDA.
-    """
+    """What the CUDA caching allocator runs with, asked of it and of its live segments, not of the
+    environment (a setting the platform cannot honour is not on). ``{}`` off CUDA."""
     device = resolve(device)
     if device.type != "cuda":
         return {}
@@ -87,11 +69,7 @@ def _cpu_model() -> str:
 
 
 def describe(device: torch.device | str, dtype: torch.dtype | None = None, cap=None) -> dict:
-    """Everything :func:`label` says, as a dict for JSON results. ``cap``: a ``memory.Cap``.
-
-    On CUDA it records the allocator's settings too: expandable segments change how ``reserved``
-    grows, and so what a memory figure shows.
-    """
+    """Everything :func:`label` says, as a dict for JSON results; ``cap``: a ``memory.Cap``."""
     device = resolve(device)
     out: dict = {"device": str(device)}
     if device.type == "cuda":

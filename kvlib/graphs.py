@@ -1,21 +1,10 @@
 """Static shapes, then a CUDA graph: what a cache that never moves makes possible.
 
-A decode step launches hundreds of small kernels; for a small batch the GPU often waits on the
-Python that launches them. A CUDA graph records the step's kernels once and replays them with one
-launch, but only if every tensor the step touches keeps its address and shape. The preallocated
-cache gives the addresses; the rest is made static here:
-
-- the input token and the position live in fixed device buffers (``KVCache.write_at`` takes the
-  position as a tensor);
-- attention reads a fixed ``span`` of slots and masks those past the position. Slicing to the exact
-  length would change shape every step; masking the whole buffer would read ``max_seq`` slots at
-  every step. Spans in buckets of ``bucket`` slots sit between: one graph per bucket, at most
-  ``bucket - 1`` masked slots read.
-
-:class:`StaticStep` runs that step with ``capture=False`` on any device (the CPU tests check its
-tokens against the eager loop), and captures and replays it on CUDA. Sampling stays outside the
-graph: its RNG state would be frozen in. Nothing in the step may read a device value on the host: a
-capture cannot wait for the GPU, and a replay would reuse the capture's answer.
+A graph replays a step's hundreds of kernel launches as one, if every tensor keeps its address and
+shape: the preallocated cache, fixed token and position buffers, and attention over a fixed
+``span`` of slots, masked past the position. Spans come in buckets, between a new shape every step
+and reading all ``max_seq`` slots every step. Sampling stays outside (its RNG state would freeze),
+and nothing reads a device value on the host: a replay would reuse the capture's answer.
 """
 
 import functools
@@ -32,14 +21,8 @@ HOST_WAIT_ROPE = ("dynamic", "longrope")  # rotary updates that compare a positi
 
 
 def _host_wait_rope(model) -> str | None:
-    """The rope type of ``model``'s rotary embedding whose update waits on the host, if any.
-
-    ``transformers`` rescales ``dynamic`` (and ``*dynamic*``) and ``longrope`` rotary embeddings by
-    comparing the largest position with a length in Python before every forward (``longrope`` in
-    the releases before 5.24): a host sync on every step, and in a CUDA graph a choice frozen at
-    capture time. Read from the module that runs, which took it from ``config.rope_parameters``
-    (``rope_scaling`` in older releases).
-    """
+    """The rope type, if any, that ``transformers`` rescales by comparing a position with a length
+    in Python (``*dynamic*``; ``longrope`` before 5.24), a choice a CUDA graph would freeze."""
     kinds = getattr(getattr(getattr(model, "model", None), "rotary_emb", None), "rope_type", None)
     for kind in (kinds.values() if isinstance(kinds, dict) else [kinds]):
         if isinstance(kind, str) and any(k in kind for k in HOST_WAIT_ROPE):
@@ -48,17 +31,12 @@ def _host_wait_rope(model) -> str | None:
 
 
 class StaticStep:
-    """``step(token [1, 1], pos) -> logits [1, vocab]`` with static shapes.
-
-    The logits are the graph's output buffer: read them (pick the next token) before the next call
-    overwrites them. ``memory[span]`` is what capturing that span's graph added
-    (:func:`capture_graph`).
-    """
+    """``step(token [1, 1], pos) -> logits [1, V]``, the graph's output buffer, which the next call
+    overwrites. ``capture=False`` runs it uncaptured, on any device."""
 
     def __init__(self, model, cache, *, bucket: int = 256, capture: bool | None = None) -> None:
         if not hasattr(cache, "write_at"):
-            raise TypeError(f"static shapes need a preallocated cache, "
-                            f"not {type(cache).__name__}")
+            raise TypeError(f"static shapes need a preallocated cache, not {type(cache).__name__}")
         device = cache.device
         self.capture = device.type == "cuda" if capture is None else capture
         if self.capture and device.type != "cuda":
@@ -68,8 +46,7 @@ class StaticStep:
             raise NotImplementedError(f"rope_type {rope!r} updates its frequencies from the "
                                       f"positions on the host, which a static or graph step "
                                       f"cannot do; use step='eager'")
-        self.model, self.cache, self.bucket = model, cache, int(bucket)
-        self.device = device
+        self.model, self.cache, self.bucket, self.device = model, cache, int(bucket), device
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)  # static inputs
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -108,15 +85,8 @@ def _side_stream(index: int) -> torch.cuda.Stream:
 
 
 def capture_graph(run, device: torch.device | str):
-    """``(graph, output, memory)``: ``run()`` recorded as a CUDA graph, after two warm-up calls.
-
-    Warm-up and capture run on the card's one side stream (lazy initialisation, cuBLAS handles and
-    kernel choice must not be captured). ``output`` is the buffer every ``graph.replay()`` rewrites.
-    ``memory`` is what the capture added: ``allocated``, the tensors the graph keeps alive (its
-    output), and ``reserved``, its private memory pool, held as long as the graph lives. Both are
-    measured from an emptied cache: ``torch.cuda.graph`` empties it on entry, so a ``reserved`` read
-    before that would subtract blocks that were merely cached.
-    """
+    """``(graph, output, memory)``: ``run()`` captured after two warm-up calls (lazy init must not
+    be captured); ``memory``: what it added, from an emptied cache, as the capture empties it."""
     device = resolve(device)
     stream = _side_stream(device.index)
     stream.wait_stream(torch.cuda.current_stream(device))

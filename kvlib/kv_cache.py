@@ -1,30 +1,12 @@
-"""Preallocated KV. The cache is written in place and never grown.
-
-A ``cat`` along the length axis on every decode step reallocates and copies the whole cache: bytes per
-step grow with the context, in total quadratically, and a card runs out well before the arithmetic
-said it would. So the shape is fixed when the cache is made:
-
-    k, v: [n_layers, max_seq, n_kv_heads, head_dim]
-
-and a step does ``k[layer, t] = k_new``: one copy into an existing slot. There is no ``torch.cat`` in
-this module, and :meth:`KVCache.view` hands out strided views, not clones.
-
-That shape is the one the token loop *writes* (a projection gives ``[n, n_kv_heads, head_dim]`` per
-layer); SDPA *reads* ``[1, heads, seq, head_dim]``, a ``permute`` away. Where the bytes physically sit
-is a separate choice, ``layout``; either way ``k``/``v`` have the logical shape above and are views of
-the storage, so the layout changes strides, never results:
-
-- ``"head"`` (default): storage ``[n_layers, n_kv_heads, max_seq, head_dim]``. Each head's ``[seq,
-  head_dim]`` block is contiguous, so the view SDPA gets is as good as a contiguous tensor. The write is
-  a strided copy of a few KiB.
-- ``"seq"``: storage in the logical order, the original design. The write is one contiguous copy, but
-  SDPA reads each head's keys ``n_kv_heads * head_dim`` elements apart. CPU kernels read that more
-  slowly than a head-major slice, which a ``cat`` cache always hands them, so it is not the default.
+"""Preallocated KV: ``k, v: [L, S, Hkv, D]``, written in place and never grown, because a ``cat``
+on every step copies the whole cache and a card runs out well before the arithmetic says. The
+``layout`` changes strides, never results: ``"head"`` stores ``[L, Hkv, S, D]``, so the ``[S, D]``
+block SDPA reads is contiguous; ``"seq"``, the original design, makes the write contiguous instead.
 """
 
 import torch
 
-from .cache import bytes_per_token, check_kv
+from .cache import bytes_per_token, check_kv, check_view
 from .config import MIB, head_dim, kv_heads
 from .env import default_device
 
@@ -34,14 +16,8 @@ LAYOUTS = ("head", "seq")
 
 
 class KVCache:
-    """Two fixed ``[n_layers, max_seq, n_kv_heads, head_dim]`` tensors.
-
-    ``seq_len`` is the number of *valid* slots, owned by the caller (the token loop advances it after
-    all layers have written). Slots past it are zeros that nothing reads.
-
-    ``device=None`` means CUDA when there is one, else the CPU: the course runs on laptops too, and a
-    default that crashes there teaches nothing.
-    """
+    """Two fixed ``[L, S, Hkv, D]`` tensors; slots past ``seq_len`` are zeros nothing reads.
+    ``device=None``: CUDA when there is one, else the CPU, so the default runs on a laptop too."""
 
     __slots__ = ("k", "v", "n_layers", "max_seq", "n_kv_heads", "head_dim", "layout", "seq_len",
                  "_k", "_v", "_k_attn", "_v_attn")
@@ -60,14 +36,14 @@ class KVCache:
         L, S, H, D = self.n_layers, self.max_seq, self.n_kv_heads, self.head_dim
         stored = (L, H, S, D) if layout == "head" else (L, S, H, D)
         device = default_device() if device is None else device
-        # zeros, not empty: the unwritten tail is never read, but paying for the pages up front is what
-        # makes memory flat during generation.
+        # zeros, not empty: the unwritten tail is never read, but paying for the pages up front is
+        # what makes memory flat during generation.
         k = torch.zeros(stored, dtype=dtype, device=device)
         v = torch.zeros(stored, dtype=dtype, device=device)
         # The public tensors always have the logical shape [L, S, H, D].
         self.k, self.v = (k.transpose(1, 2), v.transpose(1, 2)) if layout == "head" else (k, v)
-        # Per-layer views, built once: `self.k[layer]` would be a fresh view on every layer of every
-        # token. [S, H, D] for writing...
+        # Per-layer views, built once: `self.k[layer]` would be a fresh view on every layer of
+        # every token. [S, H, D] for writing...
         self._k, self._v = [self.k[i] for i in range(L)], [self.v[i] for i in range(L)]
         # ...and [1, H, S, D] for SDPA. Permute once; the token path only slices.
         self._k_attn = [t.permute(1, 0, 2).unsqueeze(0) for t in self._k]
@@ -79,68 +55,37 @@ class KVCache:
         return cls(config.num_hidden_layers, max_seq, kv_heads(config), head_dim(config),
                    device=device, dtype=dtype or torch.bfloat16, layout=layout)
 
-    # --- accounting --------------------------------------------------------
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.k.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.k.device
-
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
-
-    @property
-    def mib(self) -> float:
-        return self.nbytes / MIB
-
-    @property
-    def bytes_per_token(self) -> int:
-        return bytes_per_token(self)
+    dtype = property(lambda self: self.k.dtype)
+    device = property(lambda self: self.k.device)
+    nbytes = property(lambda self: 2 * self.k.numel() * self.k.element_size())
+    mib = property(lambda self: self.nbytes / MIB)
+    bytes_per_token = property(bytes_per_token)
 
     def reset(self) -> None:
         """New request, same memory. Nothing is freed and nothing is zeroed."""
         self.seq_len = 0
 
-    # --- the two operations a step needs -----------------------------------
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``k``/``v`` are ``[n, n_kv_heads, head_dim]`` for slots ``start..start+n``.
-
-        Assignment into a slice of an existing tensor: one copy kernel each, no allocation, no ``cat``.
-        Checked first, so a refused write writes nothing.
-        """
-        check_kv(self, layer, start, k, v)
-        end = start + k.shape[0]
-        if end > self.max_seq:
-            raise ValueError(f"KV overflow: writing slots {start}..{end} into max_seq={self.max_seq}")
-        # One slice copy for all n slots (a whole prefill chunk at once). Its offset is a Python int,
-        # fixed into the kernel: a captured step, which must replay at a new position, uses ``write_at``
-        # instead.
+        """``[n, Hkv, D]`` into slots ``start..start+n``: one slice copy each, no allocation. The
+        offset is fixed into the kernel: a captured step uses :meth:`write_at`."""
+        end = check_kv(self, layer, start, k, v)
         self._k[layer][start:end] = k
         self._v[layer][start:end] = v
 
     def write_at(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``[n, n_kv_heads, head_dim]`` at the slots in ``pos``, a device tensor ``[n]``.
-
-        The variant a captured step needs: the position lives on the device, so a CUDA graph replays
-        with a new one without being captured again. It cannot be range-checked without a host sync, so
-        the caller checks it on the host (:class:`kvlib.graphs.StaticStep` does).
-        """
+        """Write ``[n, Hkv, D]`` at the slots in ``pos``, a device tensor ``[n]``, so a CUDA graph
+        replays it at a new position. A range check would sync: the caller checks on the host."""
         check_kv(self, layer, 0, k, v)
         self._k[layer].index_copy_(0, pos, k)
         self._v[layer].index_copy_(0, pos, v)
 
     def view(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[1, n_kv_heads, seq, head_dim]`` views for SDPA. No copy."""
-        if not 0 <= layer < self.n_layers:
-            raise IndexError(f"layer {layer} out of range for n_layers={self.n_layers}")
-        if not 0 <= seq <= self.max_seq:
-            raise ValueError(f"view of {seq} slots from a cache of max_seq={self.max_seq}")
+        """``[1, Hkv, seq, D]`` views for SDPA. No copy."""
+        check_view(self, layer, seq, lambda: self.max_seq, "a cache of max_seq={}")
         return self._k_attn[layer][:, :, :seq], self._v_attn[layer][:, :, :seq]
 
     def __repr__(self) -> str:
-        return (f"KVCache(layers={self.n_layers}, max_seq={self.max_seq}, kv_heads={self.n_kv_heads}, "
-                f"head_dim={self.head_dim}, dtype={self.dtype}, layout={self.layout}, {self.mib:.1f} MiB, "
+        return (f"KVCache(layers={self.n_layers}, max_seq={self.max_seq}, "
+                f"kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
+                f"layout={self.layout}, {self.mib:.1f} MiB, "
                 f"{self.bytes_per_token / 1024:.0f} KiB/token, seq_len={self.seq_len})")

@@ -1,9 +1,5 @@
-"""The course's token loop: prefill, then one token at a time, over any cache.
-
-:func:`generate` runs :func:`kvlib.decoder.forward` over a preallocated :class:`KVCache`, the ``cat``
-baseline or any other :class:`~kvlib.cache.Cache`, picks tokens on the device (greedy, or top-k / top-p
-sampling from a seeded generator) and keeps host syncs off the hot path: EOS is looked for once every
-``EOS_CHECK_EVERY`` steps, and a sampled token is drawn without the host sync of ``torch.multinomial``.
+"""The token loop: prefill, then one token at a time, over any :class:`~kvlib.cache.Cache`, with
+host syncs kept off the hot path (EOS is looked for every ``EOS_CHECK_EVERY`` steps).
 """
 
 from dataclasses import dataclass
@@ -36,8 +32,8 @@ def _pick(logits, temperature: float, top_k, top_p, generator) -> torch.Tensor:
         # drop a token once the ones before it already reach top_p (the first always stays)
         drop = probs.cumsum(-1) - probs >= top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    # argmax of p / Exp(1) draws from p (an exponential race): unlike torch.multinomial on CUDA, it never
-    # waits for the device to tell the host anything.
+    # argmax of p / Exp(1) draws from p (an exponential race): unlike torch.multinomial on CUDA,
+    # it never waits for the device to tell the host anything.
     race = torch.empty_like(logits).exponential_(generator=generator)
     return (logits.softmax(-1) / race).argmax(-1, keepdim=True)
 
@@ -48,18 +44,13 @@ class _NoTimer:
     times_s = None
 
     def start(self) -> None: ...
-
     def stop(self) -> None: ...
 
 
 @dataclass
 class Generation:
-    """What :func:`generate` returns.
-
-    ``step_s[i]`` is the time of decode step i, which attends over ``prompt_len + i + 1`` slots
-    (``timed=True`` only; a timed run looks for EOS at every step, a host sync, so no step is timed past
-    it). ``cache`` holds the prompt and every new token but the last.
-    """
+    """What :func:`generate` returns. ``step_s[i]`` times decode step i, over ``prompt_len + i + 1``
+    slots (``timed=True`` looks for EOS at every step); ``cache`` holds all tokens but the last."""
 
     tokens: list[int]
     prompt_len: int
@@ -73,7 +64,8 @@ def _cache(model, cache, step, max_seq: int) -> Cache:
     """The cache a request runs over: made from a name, a StaticStep's own, or the one passed."""
     if isinstance(step, StaticStep):
         if cache not in ("prealloc", step.cache):
-            raise ValueError("a StaticStep brings its own cache: pass cache='prealloc' or step.cache")
+            raise ValueError("a StaticStep brings its own cache: pass cache='prealloc' or "
+                             "step.cache")
         return step.cache
     if cache == "prealloc":
         return KVCache.for_model(model.config, max_seq, device=model.device, dtype=model.dtype)
@@ -97,7 +89,7 @@ def _decode_step(model, cache: Cache, step, bucket: int):
 
 def _check_request(model, ids: torch.Tensor, cache: Cache, max_new_tokens: int, prefill_chunk,
                    extrapolate: bool, who: str = "") -> None:
-    """Refuse, with the numbers, a request that would overflow the cache or the model's positions."""
+    """Refuse, with the numbers, a request past the cache's slots or the model's positions."""
     n, start = ids.shape[1], cache.seq_len
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"{who}need a prompt and max_new_tokens >= 1, "
@@ -106,13 +98,14 @@ def _check_request(model, ids: torch.Tensor, cache: Cache, max_new_tokens: int, 
         raise ValueError(f"{who}prefill_chunk must be >= 1, got {prefill_chunk}")
     end = start + n + max_new_tokens
     if cache.max_seq is not None and end > cache.max_seq:
-        raise ValueError(f"{who}KV overflow: {start} cached + {n} prompt + {max_new_tokens} new tokens "
-                         f"> max_seq={cache.max_seq}")
+        raise ValueError(f"{who}KV overflow: {start} cached + {n} prompt + {max_new_tokens} new "
+                         f"tokens > max_seq={cache.max_seq}")
     trained = getattr(model.config, "max_position_embeddings", None)
     if trained and end - 1 > trained and not extrapolate:  # the last new token is never fed back
-        raise ValueError(f"{who}{start} cached + {n} prompt + {max_new_tokens} new tokens reach position "
-                         f"{end - 2}, past max_position_embeddings={trained}, the longest this model was "
-                         f"trained for; pass extrapolate=True to see what it does there")
+        raise ValueError(f"{who}{start} cached + {n} prompt + {max_new_tokens} new tokens reach "
+                         f"position {end - 2}, past max_position_embeddings={trained}, the longest "
+                         f"this model was trained for; pass extrapolate=True to see what it does "
+                         f"there")
 
 
 @torch.no_grad()
@@ -123,28 +116,15 @@ def generate(model, input_ids, max_new_tokens, *, cache="prealloc",
              return_logits: bool = False, on_step=None, extrapolate: bool = False):
     """Generate up to ``max_new_tokens`` after ``input_ids`` ``[1, n]`` (or ``[n]``).
 
-    ``cache``: ``"prealloc"`` (a :class:`KVCache` of ``max_seq`` slots, default prompt + new tokens),
-    ``"cat"`` (a :class:`CatCache`), or a cache object, which is continued from its ``seq_len``
-    (``reset()`` it for a new request). Greedy unless ``temperature > 0``; then top-k / top-p sampling
-    from a generator seeded with ``seed``. Stops after an EOS token (``"auto"``: the model's generation
-    config; ``None``: never). ``prefill_chunk`` splits a long prompt so the prefill's workspace stays
-    bounded. ``on_step(step, seq_len)`` is called after each decode step (for memory traces and meters).
-    A request past the model's ``max_position_embeddings`` is refused unless ``extrapolate``.
+    ``cache``: ``"prealloc"`` (``max_seq`` slots, default prompt + new tokens), ``"cat"``, or a
+    cache object, continued from its ``seq_len``. ``prefill_chunk`` bounds the prefill's workspace.
+    A request past ``max_position_embeddings`` is refused unless ``extrapolate``. A list of prompts
+    is a ragged batch: each request keeps its own length, EOS, ``max_new_tokens`` and cache.
 
-    A list of prompts is a ragged batch, and a list of Generations comes back. Each request keeps
-    its own length, positions, EOS and ``max_new_tokens`` (one int, or a list), and its own cache:
-    ``"prealloc"`` and ``"cat"`` make one each, or pass a list of caches (paged ones share a pool).
-    Each decode step runs every unfinished request in one forward, so the weights are read once for
-    all of them; a request that finishes leaves the batch, and ``on_step`` gets a list of the
-    seq_lens still running. Greedy tokens equal each request's run alone; sampling shares one
-    generator.
-
-    ``step`` is how a decode step runs: ``"eager"`` slices attention to the length; ``"static"`` reads
-    fixed spans of ``bucket`` slots with a mask (any device); ``"graph"`` is ``"static"`` captured as
-    CUDA graphs and replayed (:mod:`kvlib.graphs`); pass a :class:`StaticStep` itself to keep its graphs
-    from one request to the next (its cache is then the cache). Static and graph steps give the same
-    tokens; the eager step's unmasked attention may differ from them in the last bits, which in fp32 has
-    not flipped a token in the tests but in bf16 can. They run one request; a batch decodes eagerly.
+    ``step``: ``"eager"`` slices attention to the length; ``"static"`` reads fixed spans of
+    ``bucket`` slots with a mask; ``"graph"`` replays those as CUDA graphs; a :class:`StaticStep`
+    keeps its graphs from one request to the next. These run one request; the eager step's
+    unmasked attention may differ from them in the last bits (in bf16 that can flip a token).
     """
     check_supported(model, window=getattr(cache, "window", None))  # a ring cache has one
     device = model.device
@@ -165,13 +145,15 @@ def generate(model, input_ids, max_new_tokens, *, cache="prealloc",
     if len({id(c) for c in caches}) < B:
         raise ValueError(f"the {B} requests of a batch need a cache each: pass {B} caches")
     for r, (x, c, m) in enumerate(zip(ids, caches, news)):
-        _check_request(model, x, c, m, prefill_chunk, extrapolate, f"request {r}: " if batch else "")
+        who = f"request {r}: " if batch else ""
+        _check_request(model, x, c, m, prefill_chunk, extrapolate, who)
     decode = _decode_step(model, caches[0], step, bucket)
     if eos_token_id == "auto":
         eos_token_id = model.generation_config.eos_token_id
-    eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device, dtype=torch.long)
-    eos = eos.reshape(-1)
-    generator = torch.Generator(device).manual_seed(0 if seed is None else seed) if temperature > 0 else None
+    eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device).long().view(-1)
+    generator = None
+    if temperature > 0:
+        generator = torch.Generator(device).manual_seed(0 if seed is None else seed)
     timer = StepTimer(device) if timed else _NoTimer()
 
     # 1. Prefill, in chunks: each chunk's workspace is bounded, whatever the prompt's length. A
@@ -187,7 +169,7 @@ def generate(model, input_ids, max_new_tokens, *, cache="prealloc",
     timer.stop()
     logits = torch.stack([last[r] for r in range(B)])  # [B, V]
 
-    # 2. Decode: pick on the device, feed it back. EOS is looked for only every EOS_CHECK_EVERY steps.
+    # 2. Decode: pick on the device, feed it back; look for EOS every EOS_CHECK_EVERY steps.
     out = torch.full((B, max(news)), -1, dtype=torch.long, device=device)  # -1: not made
     kept_logits = [[] for _ in range(B)] if return_logits else None
     pos = [s + n for s, n in zip(starts, lens)]
@@ -224,8 +206,8 @@ def generate(model, input_ids, max_new_tokens, *, cache="prealloc",
         if first is not None:
             tokens = tokens[: first + 1]
             caches[r].seq_len = starts[r] + lens[r] + len(tokens) - 1
-        gens.append(Generation(tokens=tokens, prompt_len=lens[r], cache=caches[r],
+        logits = None if kept_logits is None else kept_logits[r][: len(tokens)]
+        gens.append(Generation(tokens=tokens, prompt_len=lens[r], cache=caches[r], logits=logits,
                                prefill_s=times[0] if times else None,
-                               step_s=times[1 : len(tokens)] if times else None,
-                               logits=None if kept_logits is None else kept_logits[r][: len(tokens)]))
+                               step_s=times[1 : len(tokens)] if times else None))
     return gens if batch else gens[0]

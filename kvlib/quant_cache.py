@@ -1,13 +1,9 @@
 """A quantized KV cache: int8 (or int4) codes and a scale per group, instead of bf16/fp32 values.
 
-Quantized at write, dequantized on read. Symmetric (K and V sit around zero), one scale per token,
-KV head and ``group`` channels (int8: ``group = D``): ``scale = max|x| / qmax``, ``code =
-round(x / scale)`` in ``[-qmax, qmax]``, qmax 127 or 7. Per token, because a token is written once:
-its scale is final then, so a slot holds its final bytes like any preallocated slot. (KIVI quantizes
-keys per channel, as a few key channels dwarf the rest; such a scale spans tokens, so it needs a
-full-precision window of recent ones.) Scales are in the compute dtype: dequantizing is one
-multiply. SDPA takes floating-point K/V, so :meth:`QuantCache.view` returns a dequantized copy of
-one layer's slots, alive for that layer's attention only: never a copy of the whole context at once.
+Symmetric, one scale per token, KV head and ``group`` channels: ``code = round(x / scale)``,
+``scale = max|x| / qmax``. Per token, because a token is written once, so its slot holds its final
+bytes (KIVI's per-channel key scales span tokens, and need a full-precision window). SDPA takes
+floating-point K/V, so :meth:`QuantCache.view` dequantizes one layer's slots at a time.
 """
 
 from dataclasses import dataclass
@@ -15,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .budget import Budget, plan_budget
-from .cache import check_kv
+from .cache import check_kv, check_view
 from .config import MIB, head_dim, kv_heads
 from .env import default_device
 
@@ -28,8 +24,7 @@ FORMATS = {"bf16": lambda D: 2 * D, "fp8": lambda D: D, "int8": lambda D: D + 2,
 
 
 def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [..., D]`` -> codes ``[..., D bits/8]`` (int4: two a byte), scales ``[..., D/group, 1]``
-    in ``x``'s dtype."""
+    """``x [..., D]`` -> codes ``[..., D bits/8]`` (int4: two a byte), scales ``[..., D/g, 1]``."""
     qmax = 2 ** (bits - 1) - 1
     g = x.unflatten(-1, (-1, group))  # [..., D/group, group]
     # the scale is rounded to x's dtype first, so the codes are computed against the one kept
@@ -85,19 +80,14 @@ class QuantCache:
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize ``[n, Hkv, D]`` into slots ``start..start+n``; a refused write writes none."""
-        check_kv(self, layer, start, k, v)
-        end = start + k.shape[0]
-        if end > self.max_seq:
-            raise ValueError(f"KV overflow: writing slots {start}..{end} into "
-                             f"max_seq={self.max_seq}")
+        end = check_kv(self, layer, start, k, v)
         for x, code, scale in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
             code[layer, :, start:end], scale[layer, :, start:end] = quantize(
                 x.transpose(0, 1), self.bits, self.group)
 
     def view(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[1, Hkv, seq, D]`` in the compute dtype: a dequantized copy of one layer's slots."""
-        if not 0 <= seq <= self.max_seq:
-            raise ValueError(f"view of {seq} slots from a cache of max_seq={self.max_seq}")
+        check_view(self, layer, seq, lambda: self.max_seq, "a cache of max_seq={}")
         return tuple(dequantize(c[layer, :, :seq], s[layer, :, :seq], self.group).unsqueeze(0)
                      for c, s in ((self.k, self.k_scale), (self.v, self.v_scale)))
 
@@ -114,8 +104,7 @@ def kv_format_bytes(config, kv: str = "bf16") -> int:
 
 @dataclass(frozen=True, repr=False)
 class WindowBudget(Budget):
-    """Each sequence holds at most ``window`` tokens of KV: once they fit, any context does, up to
-    the model's ``positions``; past them it is the model that stops, not the memory."""
+    """At most ``window`` tokens of KV a sequence: if they fit, any context up to ``positions``."""
 
     window: int = 1
     positions: int = 1

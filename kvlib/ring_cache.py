@@ -1,15 +1,10 @@
 """A sliding-window cache: a ring of slots, so memory stops growing at the window.
 
-Under sliding-window attention a query at ``p`` sees the keys at ``p - W < q <= p``, itself
-included (``transformers``: ``kv_idx > q_idx - sliding_window``), so position ``p`` may take the
-slot of ``p - W``: ``slot = p % W``. Only the slot index wraps: RoPE rotated each key by its
-absolute position before it was written, and attention, a sum over keys, ignores the slots' order.
-
-A decode step writes its slot and reads every held slot, all in its window: no mask, nothing
-allocated. A chunk of ``n > 1`` tokens would overwrite keys its first queries need, so it first
-copies the held slots in position order with the chunk after them; the layer's next ``view`` hands
-out that copy once, and :meth:`RingCache.visible` says which of its keys each query sees. ``sinks``
-keeps the first positions beside the ring (StreamingLLM: full-attention models lean on them).
+A query at ``p`` sees the keys at ``p - W < q <= p``, so position ``p`` takes the slot of ``p - W``.
+Only the slot index wraps: RoPE rotated each key by its position before it was written, and
+attention ignores the slots' order. A chunk of ``n > 1`` tokens would overwrite keys its first
+queries need, so it copies the held slots first (:meth:`RingCache.visible` says which each query
+sees). ``sinks`` keeps the first positions beside the ring (StreamingLLM).
 """
 
 import torch
@@ -84,8 +79,7 @@ class RingCache:
         self.k[layer][:, slots], self.v[layer][:, slots] = k[:, rows], v[:, rows]
 
     def view(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a query at ``seq - 1`` reads, ``[1, Hkv, S, D]``: a chunk's copy (once), else
-        every held slot, in slot order, as views."""
+        """What a query at ``seq - 1`` reads: a chunk's copy (once), else the held slots' views."""
         if not 0 <= layer < self.n_layers or seq != self._ends[layer]:
             raise ValueError(f"a ring holds the latest positions only: layer {layer} of "
                              f"{self.n_layers} holds up to {self._ends[layer % self.n_layers]}, "

@@ -1,16 +1,7 @@
-"""A simulated card: the token loop on the ``meta`` device, under an exact ledger of live bytes.
-
-On ``meta`` ops compute shapes and allocate nothing, so the real 4B model runs on any laptop.
-:class:`Ledger` registers every new tensor storage once (by its ``StorageImpl`` address, as
-:mod:`kvlib.meter` does) with a finalizer that takes it off when freed: what
-``torch.cuda.memory_allocated`` would report, without the caching allocator's rounding, cached
-blocks and fragmentation, or a kernel's private scratch. The op that would pass the budget raises
-``torch.OutOfMemoryError``, as the card would. No timing.
-
-The trap: on ``meta``, ``scaled_dot_product_attention`` always takes the math path, which
-materialises the scores; a fused kernel does not. So :class:`kvlib.cards.Kernels` routes each call
-as torch's CUDA dispatcher would, and a fused one allocates what the kernel does.
-Shapes: B L S n Hq Hkv D V.
+"""A simulated card: the token loop on the ``meta`` device, where nothing is allocated, under a
+ledger of live bytes: ``memory_allocated`` without the allocator's rounding or caching. The op that
+would pass the budget raises an OOM. On ``meta`` SDPA always takes the math path, so
+:class:`kvlib.cards.Kernels` routes each call as torch's CUDA dispatcher would.
 """
 
 import weakref
@@ -20,7 +11,6 @@ from functools import cache
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from .budget import meta_model
 from .cards import Card, Kernels
@@ -29,7 +19,8 @@ from .cat_cache import CatCache
 from .config import GIB, MIB, kv_bytes_per_token
 from .decoder import check_supported, forward
 from .kv_cache import KVCache
-from .meter import MeteredCache
+from .memory import largest
+from .meter import MeteredCache, new_storages
 
 __all__ = ["Ledger", "Run", "fits_context", "longest_context", "simulate"]
 
@@ -53,29 +44,22 @@ def _weights(model) -> int:
 
 @cache
 def _composite(func) -> bool:
-    """Whether a card runs ``func`` as other ops (a CompositeExplicitAutograd kernel and no device
-    one), whose temporaries are live together: the math path's ``_safe_softmax`` holds scores-sized
-    ones."""
+    """Whether a card runs ``func`` as other ops (a composite kernel and no device one), whose
+    temporaries are live together: the math path's ``_safe_softmax`` holds scores-sized ones."""
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     return has(func.name(), "CompositeExplicitAutograd") and not has(func.name(), "CPU")
 
 
 class Ledger(TorchDispatchMode):
-    """Live tensor bytes, op by op, under an optional ``budget``.
+    """Live tensor bytes, op by op, under an optional ``budget``; ``start`` (the weights) is live
+    before entering. ``at_peak``: ``by_region``, the live bytes of each region, at the peak."""
 
-    ``start`` is the balance alive before entering (the weights), in region ``"weights"``;
-    ``by_region`` holds the live bytes of each region, ``at_peak`` a copy taken at the peak.
-    ``mark(tokens)`` closes a step of ``timeline`` (cache length, live, peak of the step);
-    ``trace=True`` also records ``(op, live)`` after every op that allocates.
-    """
-
-    def __init__(self, budget: int | None = None, start: int = 0, trace: bool = False) -> None:
+    def __init__(self, budget: int | None = None, start: int = 0) -> None:
         super().__init__()
         self.budget, self.live, self.peak, self.step_peak = budget, start, start, start
         self.by_region = {"weights": start}
         self.at_peak = dict(self.by_region)
         self.tokens, self.timeline = 0, {"tokens": [], "live": [], "peak": []}
-        self.ops: list[tuple[str, int]] | None = [] if trace else None
         self._regions, self._counting = ["other"], True
         self._live: dict[int, list] = {}  # storage address -> [bytes, region]
 
@@ -86,10 +70,7 @@ class Ledger(TorchDispatchMode):
                 out = func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
         else:
             out = func(*args, **kwargs)
-        seen = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor)}
-        new = {s._cdata: s for t in tree_leaves(out) if isinstance(t, torch.Tensor)
-               if (s := t.untyped_storage())._cdata not in seen and s._cdata not in self._live}
+        new = {k: s for k, s in new_storages(args, kwargs, out).items() if k not in self._live}
         request = sum(s.nbytes() for s in new.values())
         over = self.budget is not None and self.live + request > self.budget
         if request and self._counting and over:
@@ -100,8 +81,6 @@ class Ledger(TorchDispatchMode):
             self._live[key] = [s.nbytes(), self._regions[-1]]
             self._move(key, +1)
             weakref.finalize(s, self._free, key)
-        if new and self.ops is not None:
-            self.ops.append((str(func), self.live))
         return out
 
     def _move(self, key: int, sign: int) -> None:
@@ -151,8 +130,8 @@ class Ledger(TorchDispatchMode):
 
 @dataclass
 class Run:
-    """One simulated run: ``timeline`` per step (plot ``tokens`` against ``live`` or ``peak``), the
-    peak and its bytes by region, the SDPA kernels chosen, and the OOM if there was one."""
+    """One simulated run: ``timeline`` per step, the peak and its bytes by region, the SDPA
+    kernels chosen, and the OOM if there was one."""
 
     context: int
     prompt: int
@@ -163,7 +142,6 @@ class Run:
     timeline: dict[str, list[int]]
     kernels: dict[str, int]
     oom: torch.OutOfMemoryError | None = None
-    ops: list[tuple[str, int]] | None = None
 
     @property
     def fits(self) -> bool:
@@ -179,17 +157,11 @@ class Run:
 @torch.no_grad()
 def simulate(model, context: int, *, cache: str = "prealloc", card: Card | str = "12 GiB",
              budget: int | None = None, attention: str = "auto", prefill_chunk: int = 512,
-             decode: int = 4, tail: bool = False, trace: bool = False) -> Run:
-    """Prefill ``context - decode`` tokens in chunks, then ``decode`` steps, on a simulated card.
-
-    ``model``: a shipped config name, a config, or a model on ``meta``. ``card`` gives the budget
-    (its memory, unless ``budget`` bytes are given) and the compute capability that picks the
-    attention kernels; ``attention="math"`` forces the math path, ``"fused"`` a card with fused
-    ones.
-    ``tail`` runs only the last two prefill chunks and the last decode steps, from the state before
-    them (allocated outside the budget and the peak): the same peak, since the earlier steps hold
-    less, in a fraction of the time (an OOM there may have come earlier in a whole run). An OOM is
-    caught into ``run.oom``.
+             decode: int = 4, tail: bool = False) -> Run:
+    """Prefill ``context - decode`` tokens in chunks, then ``decode`` steps, on a simulated card
+    (``model``: a config, its name, or a model on ``meta``). ``card`` gives the budget and the sm
+    that picks the attention kernels. ``tail`` runs only the last two chunks and decode steps, from
+    the state before them: the same peak, since earlier steps hold less, in a fraction of the time.
     """
     if attention not in ("auto", "fused", "math") or cache not in ("prealloc", "cat"):
         raise ValueError(f"attention must be auto/fused/math and cache prealloc/cat, "
@@ -199,7 +171,7 @@ def simulate(model, context: int, *, cache: str = "prealloc", card: Card | str =
     model = _meta(model)
     check_supported(model)
     target, config, dtype, meta = get_card(card), model.config, model.dtype, torch.device("meta")
-    ledger = Ledger(target.memory if budget is None else budget, _weights(model), trace)
+    ledger = Ledger(target.memory if budget is None else budget, _weights(model))
     kernels = Kernels(ledger, 9.0 if attention == "fused" else target.sm, attention)
     prompt = context - decode
     chunks = list(range(0, prompt, prefill_chunk))[-2 if tail else 0:]
@@ -244,17 +216,13 @@ def simulate(model, context: int, *, cache: str = "prealloc", card: Card | str =
         for h in hooks:
             h.remove()
     return Run(context, prompt, cache, ledger.budget, ledger.peak, ledger.at_peak, ledger.timeline,
-               kernels.counts, oom, ledger.ops)
+               kernels.counts, oom)
 
 
 def fits_context(model, context: int, *, prefill_chunk: int = 512, decode: int = 4, **kw) -> bool:
-    """Whether every prompt up to ``context`` tokens, and its decode steps to ``context``, fit.
-
-    A prompt's peak depends on the size of its last chunk as well as on its length, so this runs
-    two prompts (as tail runs): the one that fills the context but for ``decode`` steps, and the
-    longest whose last chunk is the largest partial one (``prefill_chunk - 1`` tokens; with kvlib's
-    decoder, an unaligned mask the kernel must copy). ``kw`` as for :func:`simulate`.
-    """
+    """Whether every prompt up to ``context`` tokens, and its decode steps to ``context``, fit: two
+    tail runs, the longest prompt and the longest whose last chunk is ``prefill_chunk - 1`` tokens
+    (a peak depends on the last chunk's size too: an unaligned mask the kernel must copy)."""
     model = _meta(model)
     kw.update(prefill_chunk=prefill_chunk, tail=True)
     prompt = context - decode
@@ -276,7 +244,4 @@ def longest_context(model, *, lo: int | None = None, hi: int | None = None, **kw
         raise ValueError(f"{hi:,} tokens fit: not an upper bound")
     if not fits_context(model, lo, **kw):
         raise ValueError(f"{lo:,} tokens do not fit: not a lower bound")
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits_context(model, mid, **kw) else (lo, mid)
-    return lo
+    return largest(lambda n: fits_context(model, n, **kw), hi, lo=lo)

@@ -1,10 +1,6 @@
-"""One way to time things, on every device.
-
-CUDA work is asynchronous: ``perf_counter`` around a call measures how long the host took to
-*enqueue* kernels, not to run them. So on CUDA both helpers put a pair of ``torch.cuda.Event``s
-around each call and read the GPU's own clock after a single synchronize; warm-up calls (allocator
-growth, kernel selection, lazy init) run first and are not counted. Results are medians with a
-p10..p90 spread, never a single run or a mean that one hiccup can drag.
+"""One way to time things, on every device: ``perf_counter`` around a CUDA call times the enqueue,
+so on CUDA events go around each call and are read after one synchronize. Warm-up calls run
+uncounted; results are medians with a p10..p90 spread.
 """
 
 import statistics
@@ -46,9 +42,7 @@ class Timing:
             p10, p90 = cuts[0], cuts[-1]
         return cls(statistics.median(samples_s), p10, p90, list(samples_s), str(device))
 
-    @property
-    def ms(self) -> float:
-        return self.median_s * 1e3
+    ms = property(lambda self: self.median_s * 1e3)
 
     def __str__(self) -> str:
         return (f"{self.ms:.3f} ms median (p10 {self.p10_s * 1e3:.3f}, p90 {self.p90_s * 1e3:.3f}; "
@@ -74,11 +68,8 @@ def time_fn(fn: Callable[[], object], *, device: torch.device | str, warmup: int
 
 
 class StepTimer:
-    """``start()``/``stop()`` around each step of a loop; read ``times_s`` after.
-
-    On CUDA nothing synchronizes until ``times_s`` is read, so timing a decode loop does not change
-    its speed by stalling the host every token.
-    """
+    """``start()``/``stop()`` around each step of a loop; read ``times_s`` after. On CUDA nothing
+    synchronizes until then, so timing a decode loop does not stall the host every token."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = _device(device)

@@ -17,4 +17,5 @@ def smollm2():
     return load_model("smollm2-135m", device="cpu")
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))  # the `exercises` package
+# the `exercises` package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))

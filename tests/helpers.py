@@ -5,7 +5,8 @@ what makes each family different: Llama with ``llama3`` RoPE scaling (its rotary
 from the model), Qwen2 with q/k/v biases and an untied head, Qwen3 with q/k norms, Mistral as Llama
 under another name, Gemma with its scaled embedding, ``(1 + w)`` norms and GELU MLP, Helium with
 interleaved RoPE, GLM rotating half of each head, Starcoder2 with biased LayerNorms and a plain MLP.
-Weights are drawn with a large init so the logits are far apart and greedy decoding has no near-ties.
+Weights are drawn with a large init so the logits are far apart and greedy decoding has no
+near-ties.
 
 The exercise checks' contract: every ``check_*`` of a notebook's ``exercises`` module is fed its
 reference solution, a stub and known wrong answers, and must print one verdict for each.

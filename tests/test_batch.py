@@ -78,21 +78,25 @@ def test_batched_forward_gives_each_request_its_own_logits():
         one = KVCache.for_model(model.config, 32, device="cpu", dtype=torch.float32)
         torch.testing.assert_close(row, forward(model, x, one, 0)[0], rtol=1e-4, atol=1e-4)
         assert cache.seq_len == x.shape[1]
-        torch.testing.assert_close(cache.k[:, : x.shape[1]], one.k[:, : x.shape[1]], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache.k[:, : x.shape[1]], one.k[:, : x.shape[1]], rtol=1e-5,
+                                   atol=1e-5)
 
 
 def test_smollm2_chat_batch_equals_each_chat_alone_to_its_eos(smollm2):
     model, tok = smollm2
     questions = ["What is the capital of France?", "Hi!",
-                 "In two sentences: what does a KV cache store, and why does it make decoding faster?"]
+                 "In two sentences: what does a KV cache store, and why does it make decoding "
+                 "faster?"]
     ids = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                   return_tensors="pt", return_dict=True)["input_ids"] for q in questions]
+                                   return_tensors="pt", return_dict=True)["input_ids"]
+           for q in questions]
     assert len({x.shape[1] for x in ids}) == len(ids)  # ragged
     runs = [generate(model, x, 48) for x in ids]  # eos "auto"
     pool = BlockPool.for_model(model.config, 64, 16, device="cpu", dtype=model.dtype)
     for cache in ("prealloc", [PagedCache(pool) for _ in ids]):
         gens = generate(model, ids, 48, cache=cache)
-        assert [g.tokens for g in gens] == [r.tokens for r in runs], [tok.decode(g.tokens) for g in gens]
+        texts = [tok.decode(g.tokens) for g in gens]
+        assert [g.tokens for g in gens] == [r.tokens for r in runs], texts
         assert [g.cache.seq_len for g in gens] == [r.cache.seq_len for r in runs]
     eos = model.generation_config.eos_token_id
     assert sum(r.tokens[-1] == eos for r in runs) >= 2  # most of them end at their own EOS
@@ -112,7 +116,8 @@ def test_slabs_poisoned_past_each_length_change_nothing():
     assert [g.tokens for g in gens] == [g.tokens for g in clean]
     for g, c in zip(gens, clean):
         assert all(torch.isfinite(x).all() for x in g.logits)
-        torch.testing.assert_close(torch.stack(g.logits), torch.stack(c.logits), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(torch.stack(g.logits), torch.stack(c.logits), rtol=1e-4,
+                                   atol=1e-4)
 
 
 def test_a_shared_pool_poisoned_outside_each_request_changes_nothing():
@@ -127,7 +132,8 @@ def test_a_shared_pool_poisoned_outside_each_request_changes_nothing():
     gens = generate(model, ids, list(NEWS), cache=caches, eos_token_id=None, return_logits=True)
     assert [g.tokens for g in gens] == [g.tokens for g in clean]
     for g, c in zip(gens, clean):
-        torch.testing.assert_close(torch.stack(g.logits), torch.stack(c.logits), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(torch.stack(g.logits), torch.stack(c.logits), rtol=1e-4,
+                                   atol=1e-4)
     assert len({b for c in caches + [bystander] for b in c.table}) == sum(
         len(c.table) for c in caches + [bystander])  # no block in two tables
 
@@ -157,7 +163,8 @@ def test_on_step_and_timing_follow_the_requests_still_running():
 
 def test_sampling_a_batch_is_seeded():
     model, ids = model_of("qwen2"), prompts()
-    a, b = (generate(model, ids, 8, temperature=1.0, top_k=20, seed=3, eos_token_id=None) for _ in "ab")
+    a, b = (generate(model, ids, 8, temperature=1.0, top_k=20, seed=3,
+                     eos_token_id=None) for _ in "ab")
     assert [g.tokens for g in a] == [g.tokens for g in b]
 
 
@@ -178,5 +185,6 @@ def test_batches_that_cannot_run_are_refused_with_the_numbers():
     with pytest.raises(ValueError, match=r"\[2, 5\]"):
         generate(model, [torch.zeros(2, 5, dtype=torch.long)], 4)
     with pytest.raises(ValueError, match="got 2 prompts, 1 caches, 2 starts"):
-        forward(model, ids[:2], [CatCache.for_model(model.config, device="cpu", dtype=torch.float32)],
+        forward(model, ids[:2], [CatCache.for_model(model.config, device="cpu",
+                                                    dtype=torch.float32)],
                 [0, 0])

@@ -10,7 +10,7 @@ from transformers import AutoConfig
 
 from kvlib.budget import (
     Budget,
-    meta_param_count,
+    meta_model,
     param_count,
     plan_budget,
     run_workspace,
@@ -80,6 +80,12 @@ def test_kv_bytes_per_token_exact():
     assert kv_bytes_per_token(smol, torch.float32, batch=4) == 4 * 46080
     # Qwen2.5 has no head_dim in its config: hidden / heads = 128
     assert kv_bytes_per_token(load_config("qwen2.5-3b"), torch.float16) == 2 * 36 * 2 * 128 * 2
+
+
+def meta_param_count(config) -> int:
+    """Parameters of the real model, built on ``meta``: ``parameters()`` yields a tied weight once,
+    as ``param_count`` counts it."""
+    return sum(p.numel() for p in meta_model(config).parameters())
 
 
 @pytest.mark.parametrize("name", NAMES)

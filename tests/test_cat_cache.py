@@ -1,4 +1,4 @@
-"""CatCache: the baseline that grows by ``torch.cat``, and costs exactly what the arithmetic says."""
+"""CatCache: the baseline that grows by ``torch.cat``, and costs exactly what arithmetic says."""
 
 import re
 
@@ -43,7 +43,8 @@ def test_writes_append_and_view_returns_the_contents():
     c.write(0, 3, k2, v2)
     k, v = c.view(0, 5)
     assert k.shape == v.shape == (1, H, 5, D)
-    assert torch.equal(k, as_attn(torch.cat([k1, k2]))) and torch.equal(v, as_attn(torch.cat([v1, v2])))
+    assert torch.equal(k, as_attn(torch.cat([k1, k2])))
+    assert torch.equal(v, as_attn(torch.cat([v1, v2])))
     k, v = c.view(0, 4)  # a prefix
     assert torch.equal(k, as_attn(torch.cat([k1, k2]))[:, :, :4])
     assert c.view(1, 0)[0].shape[2] == 0  # the other layer is untouched
@@ -159,7 +160,8 @@ def test_refusals_share_kvcache_words():
         c.view(-1, 0)
     with pytest.raises(IndexError, match="negative start -1"):
         c.write(0, -1, k, v)
-    with pytest.raises(ValueError, match=re.escape(f"k has shape (2, 2, 4), expected [n, {H}, {D}]")):
+    with pytest.raises(ValueError,
+                       match=re.escape(f"k has shape (2, 2, 4), expected [n, {H}, {D}]")):
         c.write(0, 0, torch.ones(2, 2, 4), v)
     with pytest.raises(ValueError, match=re.escape(
             "k is torch.float16 on cpu, cache is torch.float32 on cpu")):
@@ -180,7 +182,8 @@ def test_for_model_and_repr():
     assert c.dtype == torch.bfloat16 and c.bytes_per_token == 144 * 1024
     r = repr(c)
     assert "\n" not in r
-    for part in ("layers=36", "kv_heads=8", "head_dim=128", "torch.bfloat16", "0.0 MiB", "seq_len=0"):
+    for part in ("layers=36", "kv_heads=8", "head_dim=128", "torch.bfloat16", "0.0 MiB",
+                 "seq_len=0"):
         assert part in r, (part, r)
 
 

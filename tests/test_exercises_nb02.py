@@ -21,7 +21,8 @@ def over_plus_one(config, dtype, limit):  # one slot late
 class GrowsByCat(nb02.DoublingCacheSolution):  # a cat cache: allocates at every step
     def write(self, layer, start, k, v):
         for store, new in ((self.k, k), (self.v, v)):
-            store[layer] = nb02.torch.cat([store[layer][:, :, :start], new.transpose(0, 1)[None]], 2)
+            kept = store[layer][:, :, :start]
+            store[layer] = nb02.torch.cat([kept, new.transpose(0, 1)[None]], 2)
         self.held[layer] = start + k.shape[0]
 
 
@@ -43,7 +44,8 @@ class ForgetsToCopy(nb02.DoublingCacheSolution):  # grows into fresh zeros, lose
         for store, new in ((self.k, k), (self.v, v)):
             old = store[layer]
             if end > old.shape[2]:
-                store[layer] = old.new_zeros(1, old.shape[1], max(end, 2 * old.shape[2]), old.shape[3])
+                store[layer] = old.new_zeros(1, old.shape[1], max(end, 2 * old.shape[2]),
+                                             old.shape[3])
             store[layer][0, :, start:end] = new.transpose(0, 1)
         self.held[layer] = end
 

@@ -27,7 +27,8 @@ def _spans(max_seq, bucket, t0, steps):
 
 
 def every_graph(config, dtype, max_seq, bucket, t0, steps):  # every bucket, not the trace's
-    masked = sum(s - t - 1 for t, s in zip(range(t0, t0 + steps), _spans(max_seq, bucket, t0, steps)))
+    spans = _spans(max_seq, bucket, t0, steps)
+    masked = sum(s - t - 1 for t, s in zip(range(t0, t0 + steps), spans))
     return -(-max_seq // bucket), masked * kv_bytes_per_token(config, dtype)
 
 

@@ -37,7 +37,8 @@ def floor_whole_embedding(config, dtype, context, bandwidth):  # reads an untied
 
 
 def card_uncapped(config, dtype, card, cache):  # forgets the model's positions
-    plan = nb06.plan_budget(config, dtype, card.memory, prefill_chunk=nb06.PREFILL_CHUNK, cache=cache)
+    plan = nb06.plan_budget(config, dtype, card.memory, prefill_chunk=nb06.PREFILL_CHUNK,
+                            cache=cache)
     return plan.max_context, card.predicted_ms_per_token(config, dtype, plan.max_context, cache)
 
 

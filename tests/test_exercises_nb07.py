@@ -23,7 +23,8 @@ def gather_by_number(pool_k, table, seq):  # the right blocks, in the pool's ord
 
 def gather_not_cut(pool_k, table, seq):  # whole blocks: the tail of the last one too
     n = -(-seq // pool_k.shape[2])
-    return pool_k.index_select(1, torch.tensor(table[:n])).reshape(1, pool_k.shape[0], -1, pool_k.shape[3])
+    gathered = pool_k.index_select(1, torch.tensor(table[:n]))  # [Hkv, n, block, D]
+    return gathered.reshape(1, pool_k.shape[0], -1, pool_k.shape[3])
 
 
 def gather_first_blocks(pool_k, table, seq):  # blocks 0, 1, ... as if the table were the identity
@@ -45,8 +46,10 @@ def kv_floor_heads(config, dtype, tp):  # rounds the heads per GPU down: 0 past 
 
 CASES = [
     (nb07.check_lookup, nb07.lookup_solution, [lookup_logical, lookup_swapped, lookup_no_offset]),
-    (nb07.check_gather, nb07.gather_solution, [gather_by_number, gather_not_cut, gather_first_blocks]),
-    (nb07.check_kv_per_gpu, nb07.kv_per_gpu_solution, [kv_split_fraction, kv_not_split, kv_floor_heads]),
+    (nb07.check_gather, nb07.gather_solution, [gather_by_number, gather_not_cut,
+                                               gather_first_blocks]),
+    (nb07.check_kv_per_gpu, nb07.kv_per_gpu_solution, [kv_split_fraction, kv_not_split,
+                                                       kv_floor_heads]),
 ]
 
 test_check = check_tests(nb07, CASES)

@@ -43,7 +43,8 @@ def quantize_zero_row_nan(x):  # an all-zero row divides 0 by 0
 
 
 def bytes_no_scales(config):
-    return nb08.int8_bytes_solution(config) - 2 * config.num_hidden_layers * config.num_key_value_heads * 2
+    scales = 2 * config.num_hidden_layers * config.num_key_value_heads * 2
+    return nb08.int8_bytes_solution(config) - scales
 
 
 def bytes_k_only(config):
@@ -51,7 +52,8 @@ def bytes_k_only(config):
 
 
 def bytes_query_heads(config):
-    return nb08.int8_bytes_solution(config) * config.num_attention_heads // config.num_key_value_heads
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    return nb08.int8_bytes_solution(config) * heads // kv_heads
 
 
 CASES = [
@@ -59,7 +61,8 @@ CASES = [
      [slot_ignores_sinks, slot_without_offset, slot_ring_over_everything]),
     (nb08.check_quantize, nb08.quantize_solution,
      [quantize_per_tensor, quantize_truncating, quantize_by_128, quantize_flat_scale]),
-    (nb08.check_int8_bytes, nb08.int8_bytes_solution, [bytes_no_scales, bytes_k_only, bytes_query_heads]),
+    (nb08.check_int8_bytes, nb08.int8_bytes_solution, [bytes_no_scales, bytes_k_only,
+                                                       bytes_query_heads]),
 ]
 
 test_check = check_tests(nb08, CASES)

@@ -37,7 +37,8 @@ def model_of(family):
 
 
 def prompt(n=PROMPT_LEN, seed=1):
-    return torch.randint(0, SHARED["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, SHARED["vocab_size"], (1, n),
+                         generator=torch.Generator().manual_seed(seed))
 
 
 def hf_generate(model, ids, max_new_tokens, **kw):
@@ -61,7 +62,8 @@ def hf_reference(family):
 def make_cache(kind, model, max_seq=128, layout="head"):
     if kind == "cat":
         return CatCache.for_model(model.config, device="cpu", dtype=torch.float32)
-    return KVCache.for_model(model.config, max_seq, device="cpu", dtype=torch.float32, layout=layout)
+    return KVCache.for_model(model.config, max_seq, device="cpu", dtype=torch.float32,
+                             layout=layout)
 
 
 # Two kernels that add in a different order differ in the last bits: a chunk after earlier
@@ -129,7 +131,8 @@ def test_smollm2_chat_matches_transformers_to_eos(smollm2, smol_chat, cache):
     assert g.tokens == hf_tokens, (tok.decode(g.tokens), tok.decode(hf_tokens))
     assert len(g.logits) == len(hf_tokens)
     for step, (ours, theirs) in enumerate(zip(g.logits, hf_logits)):
-        torch.testing.assert_close(ours, theirs, **FOLDED, msg=lambda m, step=step: f"step {step}: {m}")
+        torch.testing.assert_close(ours, theirs, **FOLDED,
+                                   msg=lambda m, step=step: f"step {step}: {m}")
     assert g.cache.seq_len == ids.shape[1] + len(hf_tokens) - 1
     assert "sea" in tok.decode(g.tokens).lower()
 
@@ -145,10 +148,12 @@ def test_smollm2_chunked_prefill_gives_the_same_tokens(smollm2, smol_chat):
         torch.testing.assert_close(ours, theirs, **FOLDED)
 
 
-@pytest.mark.parametrize("chunk, cache", [(1, "prealloc"), (5, "prealloc"), (50, "prealloc"), (5, "cat")])
+@pytest.mark.parametrize("chunk, cache", [(1, "prealloc"), (5, "prealloc"), (50, "prealloc"),
+                                          (5, "cat")])
 def test_tiny_chunked_prefill(chunk, cache):
     model = model_of("qwen2")
-    g = generate(model, prompt(), 10, cache=cache, eos_token_id=None, return_logits=True, prefill_chunk=chunk)
+    g = generate(model, prompt(), 10, cache=cache, eos_token_id=None, return_logits=True,
+                 prefill_chunk=chunk)
     assert g.tokens == hf_reference("qwen2")[0][:10]
     for ours, theirs in zip(g.logits, hf_reference("qwen2")[1]):
         torch.testing.assert_close(ours, theirs, **FOLDED)
@@ -205,7 +210,8 @@ def test_reset_then_generate_reuses_the_same_memory(layout):
     cache = make_cache("prealloc", model, max_seq=64, layout=layout)
     ptrs = cache.k.data_ptr(), cache.v.data_ptr()
     a = generate(model, prompt(10, seed=3), 12, cache=cache, eos_token_id=None)
-    other = generate(model, prompt(20, seed=4), 12, cache=cache, eos_token_id=None)  # continue: dirty
+    # continue: dirty
+    other = generate(model, prompt(20, seed=4), 12, cache=cache, eos_token_id=None)
     assert cache.seq_len == (10 + 12 - 1) + (20 + 12 - 1)  # the last token of each run is never fed
     cache.reset()
     b = generate(model, prompt(10, seed=3), 12, cache=cache, eos_token_id=None)
@@ -234,7 +240,8 @@ def first_new_token_at(tokens, k):
 
 
 def eos_steps(tokens):
-    """Steps k whose token appears there first: one before any check, one between checks, one on a check."""
+    """Steps k whose token appears there first: one before any check, one between checks, one on
+    a check."""
     firsts = [k for k in range(len(tokens)) if first_new_token_at(tokens, k)]
     off = [k for k in firsts if (k + 1) % EOS_CHECK_EVERY and k > EOS_CHECK_EVERY]
     on = [k for k in firsts if (k + 1) % EOS_CHECK_EVERY == 0]
@@ -267,7 +274,8 @@ def test_a_cache_continues_correctly_after_an_eos_seen_late(kind):
     cache = make_cache(kind, model)
     first = generate(model, prompt(), N_NEW, cache=cache, eos_token_id=ref[k])
     assert first.tokens == ref[: k + 1]
-    second = generate(model, torch.tensor([first.tokens[-1:] + FOLLOW_UP]), 6, cache=cache, eos_token_id=None)
+    second = generate(model, torch.tensor([first.tokens[-1:] + FOLLOW_UP]), 6, cache=cache,
+                      eos_token_id=None)
     everything = torch.cat([prompt(), torch.tensor([first.tokens + FOLLOW_UP])], dim=1)
     assert second.tokens == generate(model, everything, 6, eos_token_id=None).tokens
 
@@ -316,7 +324,8 @@ def test_top_k_1_and_tiny_top_p_are_greedy():
 
 def test_sampled_tokens_stay_inside_top_k_and_top_p():
     model = model_of("qwen2")
-    g = generate(model, prompt(), 48, temperature=1.0, top_k=5, seed=7, eos_token_id=None, return_logits=True)
+    g = generate(model, prompt(), 48, temperature=1.0, top_k=5, seed=7, eos_token_id=None,
+                 return_logits=True)
     for token, logits in zip(g.tokens, g.logits):
         assert token in logits.topk(5).indices.tolist()
     g = generate(model, prompt(), 48, temperature=1.0, top_p=0.5, seed=7, eos_token_id=None,
@@ -394,14 +403,17 @@ def tiny_from(config):
     "config, message",
     [
         (GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64),
-         "GPT2LMHeadModel ('gpt2'): its model lacks ['embed_tokens', 'layers', 'norm', 'rotary_emb']"),
+         "GPT2LMHeadModel ('gpt2'): its model lacks "
+         "['embed_tokens', 'layers', 'norm', 'rotary_emb']"),
         (Olmo2Config(**SHARED), "Olmo2ForCausalLM ('olmo2'): its decoder layer has "
-                                "['post_feedforward_layernorm'], which kvlib's token loop does not compute"),
+                                "['post_feedforward_layernorm'], which kvlib's token loop does "
+                                "not compute"),
         (GraniteConfig(**SHARED, residual_multiplier=0.5),
          "'granite' has scaled residuals (residual_multiplier=0.5)"),
         (SmolLM3Config(**SHARED, no_rope_layers=[1, 0, 1]),
          "'smollm3' has layers without RoPE (no_rope_layers=[1, 0, 1])"),
-        (MistralConfig(**SHARED), "sliding_window=4096: each layer attends to the last 4096 tokens; "
+        (MistralConfig(**SHARED),
+         "sliding_window=4096: each layer attends to the last 4096 tokens; "
                                   "run it over a RingCache(window=4096), not a full cache"),
     ],
     ids=["gpt2", "olmo2", "granite-scaled", "smollm3-nope", "mistral-windowed"],
@@ -413,7 +425,8 @@ def test_what_the_loop_cannot_compute_is_refused_by_what_it_is(config, message):
 
 def test_the_same_families_are_accepted_where_nothing_is_unusual():
     for config in (GraniteConfig(**SHARED), SmolLM3Config(**SHARED, no_rope_layers=[1, 1, 1])):
-        kvlib.decoder.check_supported(tiny_from(config))  # no error: neutral values compute the same
+        # no error: neutral values compute the same
+        kvlib.decoder.check_supported(tiny_from(config))
 
 
 def test_layers_of_mixed_attention_are_refused():
@@ -430,7 +443,8 @@ def test_positions_past_what_the_model_was_trained_for_are_refused_unless_asked(
                     "max_position_embeddings=512")
     with pytest.raises(ValueError, match=msg):
         generate(model, prompt(500), 20, eos_token_id=None)
-    assert len(generate(model, prompt(500), 13, eos_token_id=None).tokens) == 13  # position 511: fits
+    # position 511: fits
+    assert len(generate(model, prompt(500), 13, eos_token_id=None).tokens) == 13
     assert len(generate(model, prompt(500), 20, eos_token_id=None, extrapolate=True).tokens) == 20
 
 
@@ -471,7 +485,8 @@ def test_on_step_once_per_decode_step_with_the_cache_length():
     assert len(calls) == len(g.tokens) - 1 == 19
     assert [c[0] for c in calls] == list(range(19))
     assert [c[1] for c in calls] == [PROMPT_LEN + i + 1 for i in range(19)]
-    assert all(seq_len == held for _, seq_len, held in calls)  # called after the step wrote its slot
+    # called after the step wrote its slot
+    assert all(seq_len == held for _, seq_len, held in calls)
 
 
 # --- the meter: what a decode step allocates ------------------------------------------------
@@ -510,7 +525,8 @@ def test_prealloc_decode_steps_allocate_nothing_in_the_cache_and_stay_flat():
 def test_cat_cache_step_allocates_exactly_the_whole_new_cache():
     model = model_of("qwen3")
     cfg = model.config
-    per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # K+V, all layers, fp32
+    # K+V, all layers, fp32
+    per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
     cache = make_cache("cat", model)
     g, meter, lengths = metered_run(model, cache)
     assert lengths == [PROMPT_LEN + i + 1 for i in range(STEPS - 1)]
@@ -546,7 +562,10 @@ def test_static_step_reads_whole_buckets_and_never_moves():
     cache = make_cache("prealloc", model, max_seq=40)
     step = StaticStep(model, cache, bucket=16, capture=False)
     assert [step.span(p) for p in (0, 15, 16, 39)] == [16, 16, 32, 40]
-    addresses = lambda: (step.token.data_ptr(), step.pos.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr())  # noqa: E731
+
+    def addresses():
+        return step.token.data_ptr(), step.pos.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr()
+
     before = addresses()
     token = torch.zeros(1, 1, dtype=torch.long)
     for pos in range(20):

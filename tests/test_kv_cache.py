@@ -99,7 +99,8 @@ def test_a_rewrite_overwrites(layout):
     k, v = kv(2, seed=2)
     c.write(0, 1, k, v)
     k1, v1 = kv(4, seed=1)
-    assert torch.equal(c.k[0, 0], k1[0]) and torch.equal(c.k[0, 1:3], k) and torch.equal(c.k[0, 3], k1[3])
+    assert torch.equal(c.k[0, 0], k1[0]) and torch.equal(c.k[0, 3], k1[3])
+    assert torch.equal(c.k[0, 1:3], k)
     assert torch.equal(c.v[0, 1:3], v)
 
 
@@ -223,7 +224,8 @@ def test_for_model_sizes_from_a_config(layout):
 
 
 def test_for_model_without_head_dim_uses_hidden_over_heads(layout):
-    config = LlamaConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=2)
+    config = LlamaConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
+                         num_hidden_layers=2)
     config.head_dim = None
     c = KVCache.for_model(config, 8, device="cpu", layout=layout)
     assert c.k.shape == (2, 8, 2, 16)
@@ -271,7 +273,8 @@ def test_k_and_v_disagree(layout):
     c = make(layout)
     k, _ = kv(3)
     _, v = kv(2)
-    refused(c, ValueError, re.escape("k (3, 2, 4) and v (2, 2, 4) disagree"), lambda: c.write(0, 2, k, v))
+    refused(c, ValueError, re.escape("k (3, 2, 4) and v (2, 2, 4) disagree"), lambda: c.write(0, 2,
+                                                                                              k, v))
 
 
 def test_wrong_dtype(layout):
@@ -313,7 +316,8 @@ def test_negative_start(layout):
 @pytest.mark.parametrize("seq", [S + 1, 100, -1])
 def test_view_longer_than_max_seq(layout, seq):
     c = make(layout)
-    with pytest.raises(ValueError, match=re.escape(f"view of {seq} slots from a cache of max_seq={S}")):
+    with pytest.raises(ValueError,
+                       match=re.escape(f"view of {seq} slots from a cache of max_seq={S}")):
         c.view(0, seq)
 
 
@@ -333,5 +337,6 @@ def test_bad_constructor_shape(layout, shape, msg):
 
 def test_bad_layout(layout):
     bad = layout + "-major"
-    with pytest.raises(ValueError, match=re.escape(f"layout {bad!r} is not one of ('head', 'seq')")):
+    with pytest.raises(ValueError,
+                       match=re.escape(f"layout {bad!r} is not one of ('head', 'seq')")):
         KVCache(L, S, H, D, device="cpu", layout=bad)

@@ -1,4 +1,5 @@
-"""load_model: the course's models load with no network, once, in the right dtype; the rest fails fast."""
+"""load_model: the course's models load with no network, once, in the right dtype; the rest fails
+fast."""
 
 import copy
 import os
@@ -13,7 +14,8 @@ import kvlib.models as models
 from kvlib import auto_dtype, load_model, model_names
 from kvlib.config import load_config
 
-SMOL = dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576, head_dim=64)
+SMOL = dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
+            head_dim=64)
 
 
 class NoDequantization:
@@ -79,7 +81,8 @@ def test_smollm2_rebuilds_its_cache_in_a_fresh_folder(smollm2, tmp_path, monkeyp
     first = time.perf_counter() - t0
     err = capfd.readouterr().err
     assert (tmp_path / "smollm2-135m" / "model.safetensors").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2-135m"]  # no half-written leftovers
+    # no half-written leftovers
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2-135m"]
     assert tok.chat_template
     assert same_weights(built, smollm2[0])  # the same weights as the shared cache holds
     forbid_dequantization(monkeypatch)
@@ -103,7 +106,7 @@ def test_random_model_has_the_real_config_and_no_tokenizer():
 
 
 def test_random_weights_are_the_same_every_load(monkeypatch):
-    """Seeded: the same noise every run. (Shrunk to 2 layers: initialising 135M weights twice is slow.)"""
+    """Seeded: the same noise every run. (2 layers: initialising 135M weights twice is slow.)"""
     small = load_config("smollm2-135m")
     small.num_hidden_layers, small.vocab_size = 2, 1024
     monkeypatch.setattr(models, "load_config", lambda name: copy.deepcopy(small))

@@ -42,7 +42,8 @@ def fill(cache, start, n, seed=0):
 
 
 def ids(n, seed=1):
-    return torch.randint(0, SHARED["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, SHARED["vocab_size"], (1, n),
+                         generator=torch.Generator().manual_seed(seed))
 
 
 # --- the pool and the tables ----------------------------------------------------------------
@@ -97,7 +98,8 @@ def test_running_out_of_blocks_is_an_error_with_the_numbers():
     pool = pool_of(n_blocks=3)
     a, b = PagedCache(pool), PagedCache(pool)
     fill(a, 0, 8)
-    with pytest.raises(OutOfBlocks, match=r"out of KV blocks \(slots 0\.\.5, 1 blocks held\): all 3 "
+    with pytest.raises(OutOfBlocks,
+                       match=r"out of KV blocks \(slots 0\.\.5, 1 blocks held\): all 3 "
                                           r"blocks of 4 slots are held"):
         fill(b, 0, 5)
     b.reset(), a.reset()
@@ -114,7 +116,8 @@ def test_running_out_of_blocks_is_an_error_with_the_numbers():
 def test_generate_refuses_a_request_longer_than_the_pool_and_runs_out_in_a_batch():
     model = model_of("llama")
     pool = pool_of(n_blocks=4, block=4, model=model)
-    with pytest.raises(ValueError, match=r"KV overflow: 0 cached \+ 12 prompt \+ 8 new tokens > max_seq=16"):
+    with pytest.raises(ValueError,
+                       match=r"KV overflow: 0 cached \+ 12 prompt \+ 8 new tokens > max_seq=16"):
         generate(model, ids(12), 8, cache=PagedCache(pool), eos_token_id=None)
     with pytest.raises(OutOfBlocks, match="all 4 blocks of 4 slots are held"):  # each fits, not all
         generate(model, [ids(6), ids(7, seed=2)], 6, cache=[PagedCache(pool), PagedCache(pool)],

@@ -62,9 +62,11 @@ def test_int4_puts_even_channels_in_the_low_nibble():
 
 
 @pytest.mark.parametrize("bits, group, dtype, want", [
-    (8, None, torch.float32, 2 * 30 * 3 * (64 + 4)),  # int8 codes + one fp32 scale per token and head
+    (8, None, torch.float32, 2 * 30 * 3 * (64 + 4)),
+    # int8 codes + one fp32 scale per token and head
     (8, None, torch.bfloat16, 2 * 30 * 3 * (64 + 2)),
-    (4, None, torch.bfloat16, 2 * 30 * 3 * (32 + 2 * 2)),  # two int4 a byte, a scale per 32 channels
+    (4, None, torch.bfloat16, 2 * 30 * 3 * (32 + 2 * 2)),
+    # two int4 a byte, a scale per 32 channels
     (4, 16, torch.float32, 2 * 30 * 3 * (32 + 4 * 4)),
 ])
 def test_bytes_per_token_are_exact_scales_included(bits, group, dtype, want):
@@ -89,8 +91,10 @@ def test_plan_kv_moves_only_the_kv_term():
     config = load_config("qwen3-4b")
     base = plan_budget(config, torch.bfloat16, 12 * GIB)
     assert plan_kv(config, torch.bfloat16, 12 * GIB) == base
-    plans = {kv: plan_kv(config, torch.bfloat16, 12 * GIB, kv) for kv in ("bf16", "fp8", "int8", "int4")}
-    for kv, plan in plans.items():  # the weights and the workspace are the base plan's; the KV is not
+    plans = {kv: plan_kv(config, torch.bfloat16, 12 * GIB, kv) for kv in ("bf16", "fp8", "int8",
+                                                                          "int4")}
+    # the weights and the workspace are the base plan's; the KV is not
+    for kv, plan in plans.items():
         assert (plan.weights, plan.budget) == (base.weights, base.budget)
         assert plan.kv_per_token == kv_format_bytes(config, kv)
         c = plan.max_context
@@ -132,7 +136,8 @@ def test_the_cache_holds_codes_and_scales_and_a_view_dequantizes_one_layer():
 def test_refusals_name_the_numbers():
     cache = QuantCache(2, 8, 2, 16, device="cpu", dtype=torch.float32)
     x = torch.zeros(5, 2, 16)
-    with pytest.raises(ValueError, match=re.escape("KV overflow: writing slots 5..10 into max_seq=8")):
+    with pytest.raises(ValueError,
+                       match=re.escape("KV overflow: writing slots 5..10 into max_seq=8")):
         cache.write(0, 5, x, x)
     with pytest.raises(ValueError, match="is torch.bfloat16 on cpu, cache is torch.float32 on cpu"):
         cache.write(0, 0, x.bfloat16(), x.bfloat16())
@@ -162,7 +167,8 @@ def model_of(family):
 
 
 def prompt(n=12, seed=1):
-    return torch.randint(0, SHARED["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, SHARED["vocab_size"], (1, n),
+                         generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -15,7 +15,8 @@ from kvlib.ring_cache import RingCache
 
 W = 8  # the window: shorter than the 12-token prompt, so even the prefill needs it
 N_NEW = 40
-FOLDED = dict(rtol=1e-4, atol=1e-4)  # keys in slot order, not position order: another summation order
+# keys in slot order, not position order: another summation order
+FOLDED = dict(rtol=1e-4, atol=1e-4)
 # How transformers 5.24 windows each family: Mistral and Starcoder2 by `sliding_window` alone,
 # Qwen2/3 with `use_sliding_window` from layer `max_window_layers` on (0: every layer).
 WINDOWED = {
@@ -37,7 +38,8 @@ def model_of(family, windowed=True):
 
 
 def prompt(n=12, seed=1):
-    return torch.randint(0, SHARED["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, SHARED["vocab_size"], (1, n),
+                         generator=torch.Generator().manual_seed(seed))
 
 
 @functools.cache
@@ -53,7 +55,8 @@ def ring(model, window=W, sinks=0):
     return RingCache.for_model(model.config, window, sinks=sinks, device="cpu", dtype=torch.float32)
 
 
-@pytest.mark.parametrize("chunk", [None, 5, 1], ids=["one-prefill", "chunks-of-5", "token-by-token"])
+@pytest.mark.parametrize("chunk", [None, 5, 1], ids=["one-prefill", "chunks-of-5",
+                                                     "token-by-token"])
 @pytest.mark.parametrize("family", list(WINDOWED))
 def test_windowed_families_match_transformers(family, chunk):
     model = model_of(family)
@@ -63,7 +66,8 @@ def test_windowed_families_match_transformers(family, chunk):
                  prefill_chunk=chunk)
     assert g.tokens == tokens
     for step, (ours, theirs) in enumerate(zip(g.logits, logits)):
-        torch.testing.assert_close(ours, theirs, **FOLDED, msg=lambda m, step=step: f"step {step}: {m}")
+        torch.testing.assert_close(ours, theirs, **FOLDED,
+                                   msg=lambda m, step=step: f"step {step}: {m}")
     assert g.cache.seq_len == 12 + N_NEW - 1  # positions keep counting past the window
 
 
@@ -79,7 +83,8 @@ def test_continuing_a_ring_equals_one_run():
 def test_memory_is_the_window_and_decode_steps_allocate_nothing():
     model = model_of("mistral")
     cache = ring(model)
-    layers, heads, D = SHARED["num_hidden_layers"], SHARED["num_key_value_heads"], SHARED["head_dim"]
+    layers, heads = SHARED["num_hidden_layers"], SHARED["num_key_value_heads"]
+    D = SHARED["head_dim"]
     assert cache.nbytes == 2 * layers * heads * W * D * 4
     ptr = cache.k.data_ptr()
     meter, lengths = AllocMeter(), []
@@ -110,21 +115,24 @@ def test_slots_wrap_and_positions_do_not(window, sinks):
         assert k.data_ptr() == cache.k.data_ptr()  # a decode step reads the ring itself
 
 
-@pytest.mark.parametrize("window, sinks, start, n", [(4, 0, 0, 7), (4, 0, 9, 3), (4, 2, 9, 6), (3, 1, 2, 5)])
+@pytest.mark.parametrize("window, sinks, start, n", [(4, 0, 0, 7), (4, 0, 9, 3), (4, 2, 9, 6),
+                                                     (3, 1, 2, 5)])
 def test_a_chunk_sees_its_window_and_the_sinks(window, sinks, start, n):
     cache = RingCache(1, window, 1, 1, sinks=sinks, device="cpu", dtype=torch.float32)
     for p in range(start):
         cache.write(0, p, torch.full((1, 1, 1), float(p)), torch.zeros(1, 1, 1))
     chunk = torch.arange(start, start + n, dtype=torch.float32).view(n, 1, 1)
     cache.write(0, start, chunk, chunk)
-    keys = cache.view(0, start + n)[0][0, 0, :, 0].tolist()  # the copy: held positions, then the chunk
+    # the copy: held positions, then the chunk
+    keys = cache.view(0, start + n)[0][0, 0, :, 0].tolist()
     visible = cache.visible(start, n)
     assert visible.shape == (n, len(keys))
     for i, q in enumerate(range(start, start + n)):  # the definition, query by query
         want = [kp <= q and (kp < sinks or kp > q - window) for kp in keys]
         assert visible[i].tolist() == want
         assert set(range(max(0, q - window + 1), q + 1)) <= {kp for kp, ok in zip(keys, want) if ok}
-    assert cache.view(0, start + n)[0].data_ptr() == cache.k.data_ptr()  # the copy is handed out once
+    # the copy is handed out once
+    assert cache.view(0, start + n)[0].data_ptr() == cache.k.data_ptr()
 
 
 def test_sinks_run_a_full_attention_model_past_the_window():
@@ -156,7 +164,8 @@ def test_a_ring_cannot_go_back():
             "RingCache writes positions in order: layer 0 holds 0..31, a write at 25 would leave "
             "stale slots; reset() for a new request")):
         generate(model, prompt(3), 4, cache=cache, eos_token_id=None)
-    with pytest.raises(ValueError, match=re.escape("layer 1 of 3 holds up to 31, not a view of 20")):
+    with pytest.raises(ValueError,
+                       match=re.escape("layer 1 of 3 holds up to 31, not a view of 20")):
         cache.view(1, 20)
     cache.reset()
     tokens = generate(model, prompt(), N_NEW, cache=cache, eos_token_id=None).tokens

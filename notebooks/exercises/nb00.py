@@ -68,7 +68,8 @@ def check_batch_kv_bytes(fn) -> str:
     each = room // attempt(fn, config, torch.bfloat16, 4, 1)
     planned = plan_budget(config, torch.bfloat16, 12 * GIB, batch=4).max_context
     return (f"so 4 conversations of Qwen3-4B in bf16 share 12 GiB at {each:,} tokens each "
-            f"(weights and KV only; with the workspace, plan_budget(..., batch=4) says {planned:,})")
+            f"(weights and KV only; with the workspace, plan_budget(..., batch=4) says "
+            f"{planned:,})")
 
 
 # --- 2. Llama-3.2-3B on a Colab T4 -------------------------------------------------------
@@ -113,7 +114,8 @@ class CappedCatCacheSolution(CatCache):
         per_slot = 2 * k[0].numel() * k.element_size()  # one slot of K and V in this layer
         after = self.nbytes + (start + k.shape[0] - held) * per_slot
         if after > self.budget_bytes:
-            raise ValueError(f"over budget: layer {layer} writing slots {start}..{start + k.shape[0]} "
+            raise ValueError(f"over budget: layer {layer} writing slots "
+                             f"{start}..{start + k.shape[0]} "
                              f"would hold {after:,} B > budget {self.budget_bytes:,} B")
         super().write(layer, start, k, v)
 

@@ -129,12 +129,14 @@ def check_ring_cache(cls) -> None:
     L, W, H, D, tokens = RING
     g = torch.Generator().manual_seed(2)
     ring = attempt(cls, L, W, H, D)
-    past_k, past_v = torch.randn(L, tokens, H, D, generator=g), torch.randn(L, tokens, H, D, generator=g)
+    past_k = torch.randn(L, tokens, H, D, generator=g)
+    past_v = torch.randn(L, tokens, H, D, generator=g)
     query = torch.randn(1, H, 1, D, generator=g)  # one query per KV head
     for pos in range(tokens):
         for layer in range(L):
             with AllocMeter() as meter:
-                attempt(ring.write, layer, pos, past_k[layer, pos : pos + 1], past_v[layer, pos : pos + 1])
+                attempt(ring.write, layer, pos,
+                        past_k[layer, pos : pos + 1], past_v[layer, pos : pos + 1])
             expect(not meter.total, f"write(layer={layer}, pos={pos}) allocated {meter.total:,} B "
                                     f"({meter.by_op}): write into the store in place")
             with AllocMeter() as meter:

@@ -67,9 +67,9 @@ def check_longest_context(fn) -> None:
         fixed = (gib * GIB - plan.weights - at_zero) // plan.kv_per_token
         expect(got is not None and int(got) == want,
                f"{name} in {_name(dtype)}, batch {batch}, {gib} GiB: you said {got}, the plan says "
-               f"{want:,} tokens per sequence (weights {plan.weights:,} B, KV {plan.kv_per_token:,} "
-               f"B per token for all {batch} sequences, workspace {plan.workspace:,} B at that "
-               f"context; one token more is {over:,} B over).",
+               f"{want:,} tokens per sequence (weights {plan.weights:,} B, "
+               f"KV {plan.kv_per_token:,} B per token for all {batch} sequences, workspace "
+               f"{plan.workspace:,} B at that context; one token more is {over:,} B over).",
                hint(got, {fixed: f"Hint: that prices the workspace of a chunk with nothing cached "
                                  f"({at_zero:,} B); it grows with the context, so search for the "
                                  f"largest context that fits."},
@@ -133,7 +133,8 @@ def predict_card_solution(config, dtype: torch.dtype, card: Card, cache: str) ->
 
 # Not in kvlib.cards.CARDS: memory and bandwidth from the vendors' spec sheets.
 NEW_CARDS = {
-    "L4": Card("L4", 24, 8.9, 300e9, "https://www.nvidia.com/en-us/data-center/l4/ (24GB, 300GB/s)"),
+    "L4": Card("L4", 24, 8.9, 300e9,
+               "https://www.nvidia.com/en-us/data-center/l4/ (24GB, 300GB/s)"),
     "RTX 4060 Ti 16GB": Card("RTX 4060 Ti 16GB", 16, 8.9, 288e9,
                              "https://www.nvidia.com/en-us/geforce/graphics-cards/40-series/"
                              "rtx-4060-4060ti/ (16 GB GDDR6, 128-bit at 18 Gbps: 288 GB/s)"),
@@ -154,7 +155,7 @@ RTOL_MS = 1e-3
 
 @check
 def check_predict_card(fn) -> None:
-    """``fn(config, dtype, card, cache)`` -> ``(context, ms)``, the context exact, ms within 0.1%."""
+    """``fn(config, dtype, card, cache)`` -> ``(context, ms)``: the context exact, ms to 0.1%."""
     for name, dtype, card_name, cache in PREDICT_CASES:
         config, card = load_config(name), NEW_CARDS[card_name]
         got = attempt(fn, config, dtype, card, cache)

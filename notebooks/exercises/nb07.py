@@ -31,10 +31,12 @@ def check_lookup(fn) -> None:
         got = attempt(fn, list(table), block, slot)
         got = tuple(got) if isinstance(got, (tuple, list)) else got
         want = lookup_solution(table, block, slot)
-        known = {(slot // block, slot % block): "That is the logical block: look it up in the table.",
-                 (slot % block, slot // block): "The offset is slot % block, the block slot // block.",
+        logical, offset = slot // block, slot % block
+        known = {(logical, offset): "That is the logical block: look it up in the table.",
+                 (offset, logical): "The offset is slot % block, the block slot // block.",
                  (table[slot // block], slot): "The offset counts from the block's first slot."}
-        expect(got == want, f"table {table}, block {block}, slot {slot}: you said {got}, want {want}.",
+        expect(got == want,
+               f"table {table}, block {block}, slot {slot}: you said {got}, want {want}.",
                hint(got, known))
 
 
@@ -92,8 +94,9 @@ def check_kv_per_gpu(fn) -> None:
         want = kv_per_gpu_solution(config, dtype, tp)
         whole = kv_per_gpu_solution(config, dtype, 1)
         expect(got == want,
-               f"{name} ({kv_heads(config)} KV heads) in {str(dtype).removeprefix('torch.')}, tp={tp}: "
-               f"you said {got}, want {want:,} B per token per GPU ({whole:,} B on one GPU).",
+               f"{name} ({kv_heads(config)} KV heads) in {str(dtype).removeprefix('torch.')}, "
+               f"tp={tp}: you said {got}, want {want:,} B per token per GPU "
+               f"({whole:,} B on one GPU).",
                hint(got, {whole / tp: "A GPU cannot hold a fraction of a head: past Hkv GPUs each "
                                       "still holds one whole head.",
                           whole: "The KV heads are split across the GPUs."}))

@@ -67,7 +67,8 @@ def check_quantize(fn) -> None:
     ``code * scale`` within half of that row's step ``max|x| / 127`` of ``x``."""
     x = _rows()
     out = attempt(fn, x.clone())
-    expect(isinstance(out, tuple) and len(out) == 2, f"return (code, scale), not {type(out).__name__}")
+    expect(isinstance(out, tuple) and len(out) == 2,
+           f"return (code, scale), not {type(out).__name__}")
     code, scale = out
     expect(code.dtype == torch.int8 and tuple(code.shape) == tuple(x.shape),
            f"code: {code.dtype} {tuple(code.shape)}, want torch.int8 {tuple(x.shape)}")
@@ -104,7 +105,8 @@ def check_int8_bytes(fn) -> None:
     for name in BYTES_CONFIGS:
         config = load_config(name)
         got, want = attempt(fn, config), kv_format_bytes(config, "int8")
-        layers, kv, q = config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads
+        layers, kv = config.num_hidden_layers, config.num_key_value_heads
+        q = config.num_attention_heads
         known = {want - 2 * layers * kv * 2: "You left the scales out: one 2-byte scale per "
                                              "token, layer, KV head, for K and for V.",
                  want // 2: "K and V: two tensors per layer.",
