@@ -62,9 +62,9 @@ def workspace_phases(config: PretrainedConfig, dtype: torch.dtype, tokens: int =
                      cache: str = "prealloc") -> dict[str, tuple[int, int]]:
     """Transient bytes of each phase of kvlib's forward that can peak: ``(fixed, per token)``.
 
-    A chunk of n = ``tokens`` after S cached ones holds, all forward long, the visibility ``[n, S]``
-    and the mask ``[group * n, S]`` built once for all layers, and small activations. On top, one at
-    a time: ``mask`` (zeros and their masked copy ``[n, S]``); ``attention`` (fused: output,
+    A chunk of n = ``tokens`` after S cached ones holds, all forward long, the mask
+    ``[group * n, S]`` built once for all layers, and small activations. On top, one at a time:
+    ``mask`` (while it is built: the visibility ``[n, S]``, zeros and their masked copy); ``attention`` (fused: output,
     log-sum-exp and a padded mask copy; math: q, K, V in fp32, the scores and softmax ``[Hq, n, S]``
     in fp32); ``decode`` (math: K and V upcast and copied per query head); ``cat`` (a layer's old K
     while the longer one is built); ``mlp`` (gate, up, product); ``logits`` (and an fp32 copy).
@@ -75,7 +75,7 @@ def workspace_phases(config: PretrainedConfig, dtype: torch.dtype, tokens: int =
     e, n, d, V = dtype.itemsize, tokens, config.hidden_size, config.vocab_size
     Hq, Hkv, D = config.num_attention_heads, kv_heads(config), head_dim(config)
     g = Hq // Hkv
-    held = n * (1 + g * e)  # per token of context: the visibility and the mask
+    held = n * g * e  # per token of context: the mask (the visibility is freed once it is built)
     act = n * e * (2 * d + 2 * Hq * D + 2 * Hkv * D) + V * e
     phases = {"mask": (V * e, n * (1 + (2 + g) * e)),
               "mlp": (act + 3 * n * config.intermediate_size * e, held),
@@ -105,12 +105,13 @@ def run_workspace(config: PretrainedConfig, dtype: torch.dtype, context: int,
     worst of the last full chunk, a last partial one and a decode step (``cat``: less KV before)."""
     kv = kv_bytes_per_token(config, dtype, batch)
     full, worst = context // prefill_chunk * prefill_chunk, 0
+    prompt = 8 * batch * context  # the prompt's ids (int64): the loop keeps them on the device
     for end, tokens in ((full, prefill_chunk), (context, context - full), (context, 1)):
         if end and tokens:
             cached = kv * (end if cache == "cat" else context)
             worst = max(worst, cached + workspace_bytes(config, dtype, tokens, batch, context=end,
                                                         attention=attention, cache=cache))
-    return worst - kv * context
+    return worst + prompt - kv * context
 
 
 @dataclass(frozen=True)
@@ -155,5 +156,6 @@ def plan_budget(config: PretrainedConfig, dtype: torch.dtype, budget_bytes: int,
     workspace_phases(config, dtype, attention=attention, cache=cache)  # refuse bad names now
     workspace = partial(run_workspace, config, dtype, prefill_chunk=prefill_chunk, batch=batch,
                         attention=attention, cache=cache)
-    return Budget(weight_bytes(config, dtype), kv_bytes_per_token(config, dtype, batch),
+    rope = 4 * head_dim(config)  # RoPE's inverse frequencies: two fp32 buffers of D / 2
+    return Budget(weight_bytes(config, dtype) + rope, kv_bytes_per_token(config, dtype, batch),
                   int(budget_bytes), workspace)

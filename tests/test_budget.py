@@ -120,9 +120,10 @@ def test_param_count_refuses_unknown_family():
 def test_workspace_phases_price_what_each_phase_holds():
     c, n = load_config("qwen3-4b"), 512
     fused = workspace_phases(c, torch.bfloat16, n)
-    held = n * (1 + 4 * 2)  # per token of context: visibility [n, S] bool, mask [4n, S] bf16
+    held = n * 4 * 2  # per token of context: the mask [4n, S] bf16
     assert fused["attention"][1] == held + 4 * n * 2  # + the memory-efficient kernel's copy
-    assert fused["mask"][1] == n * (1 + (2 + 4) * 2)  # building it: zeros, their masked copy
+    # building it: the visibility [n, S] bool, zeros, their masked copy, the repeat
+    assert fused["mask"][1] == n * (1 + (2 + 4) * 2)
     # gate, up, their product against the logits and their fp32 copy
     assert fused["mlp"][0] - fused["logits"][0] == 3 * n * 9728 * 2 - 151936 * 6
     math = workspace_phases(c, torch.bfloat16, n, attention="math")
