@@ -64,10 +64,11 @@ def workspace_phases(config: PretrainedConfig, dtype: torch.dtype, tokens: int =
 
     A chunk of n = ``tokens`` after S cached ones holds, all forward long, the mask
     ``[group * n, S]`` built once for all layers, and small activations. On top, one at a time:
-    ``mask`` (while it is built: the visibility ``[n, S]``, zeros and their masked copy); ``attention`` (fused: output,
-    log-sum-exp and a padded mask copy; math: q, K, V in fp32, the scores and softmax ``[Hq, n, S]``
-    in fp32); ``decode`` (math: K and V upcast and copied per query head); ``cat`` (a layer's old K
-    while the longer one is built); ``mlp`` (gate, up, product); ``logits`` (and an fp32 copy).
+    ``mask`` (while it is built: the visibility ``[n, S]``, zeros and their masked copy);
+    ``attention`` (fused: output, log-sum-exp and a padded mask copy; math: q, K, V in fp32, the
+    scores and softmax ``[Hq, n, S]`` in fp32); ``decode`` (math: K and V upcast and copied per
+    query head); ``cat`` (a layer's old K while the longer one is built); ``mlp`` (gate, up,
+    product); ``logits`` (and an fp32 copy).
     """
     if attention not in ATTENTION or cache not in ("prealloc", "cat"):
         raise ValueError(f"attention must be one of {ATTENTION} and cache prealloc or cat, "

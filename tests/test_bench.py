@@ -17,7 +17,8 @@ from kvlib.config import kv_bytes_per_token, load_config
 
 def test_quick_bench_prints_one_json_line_and_writes_figures(tmp_path):
     run = subprocess.run(
-        [sys.executable, "-m", "course.bench", "--quick", "--device", "cpu", "--out", str(tmp_path)],
+        [sys.executable, "-m", "course.bench", "--quick", "--device", "cpu",
+         "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600, check=True,
     )
     res = json.loads(run.stdout.strip().splitlines()[-1])
@@ -61,7 +62,8 @@ def test_transformers_rows_run_uncompiled(kind, monkeypatch):
 def test_a_verdict_is_said_only_where_the_spreads_part():
     spreads = {"prealloc": [(10, 11), (10, 12), None], "cat": [(12, 13), (11, 14), (5, 6)],
                "hf_static": [(8, 9), (13, 15), (5, 6)]}
-    res = {"contexts": [512, 2048, 8192], "caches": {k: {"spread_ms": v} for k, v in spreads.items()}}
+    caches = {k: {"spread_ms": v} for k, v in spreads.items()}
+    res = {"contexts": [512, 2048, 8192], "caches": caches}
     assert verdicts(res) == [
         "512 tokens: prealloc is faster than cat", "512 tokens: prealloc is slower than hf_static",
         "2048 tokens: prealloc is within the spread of cat",
