@@ -118,12 +118,14 @@ def run_workspace(config: PretrainedConfig, dtype: torch.dtype, context: int,
 @dataclass(frozen=True)
 class Budget:
     """Fixed weights, KV per token, and ``workspace_at(context)``, under ``budget`` (what the
-    allocator may hold); ``max_context`` and its ``workspace`` are computed once, for ``asdict``."""
+    allocator may hold); ``max_context`` and its ``workspace`` are computed once, for ``asdict``.
+    A paged cache reserves KV in whole blocks of ``block`` tokens (1: exactly the tokens)."""
 
     weights: int
     kv_per_token: int
     budget: int
     workspace_at: InitVar[Callable[[int], int] | None] = None
+    block: int = 1
     max_context: int = field(init=False)
     workspace: int = field(init=False)
 
@@ -136,7 +138,8 @@ class Budget:
 
     def breakdown(self, context: int) -> dict[str, int]:
         """Bytes of each part at ``context`` tokens; ``free`` is negative past ``max_context``."""
-        kv, workspace = self.kv_per_token * context, self._workspace_at(context)
+        slots = -(-context // self.block) * self.block  # the last block is reserved whole
+        kv, workspace = self.kv_per_token * slots, self._workspace_at(context)
         free = self.budget - self.weights - kv - workspace
         return {"weights": self.weights, "kv": kv, "workspace": workspace, "free": free}
 
@@ -147,16 +150,25 @@ class Budget:
 
 
 def plan_budget(config: PretrainedConfig, dtype: torch.dtype, budget_bytes: int, batch: int = 1,
-                prefill_chunk: int = 512, *, attention: str = "fused",
-                cache: str = "prealloc") -> Budget:
+                prefill_chunk: int = 512, *, attention: str = "fused", cache: str = "prealloc",
+                block: int = 1, tp: int = 1) -> Budget:
     """The :class:`Budget` of ``config`` in ``dtype`` for kvlib's token loop; ``attention``:
-    ``"fused"`` (sm >= 8.0) or ``"math"``, where kernels fall back (``cards.sdpa_kernel``)."""
-    if budget_bytes <= 0 or batch < 1 or prefill_chunk < 1:
+    ``"fused"`` (sm >= 8.0) or ``"math"``, where kernels fall back (``cards.sdpa_kernel``).
+
+    ``budget_bytes`` is one GPU's. With ``tp`` GPUs (tensor parallel) each holds ``1 / tp`` of the
+    weights and of the KV heads, down to one head: a head cannot be split, so past ``Hkv`` GPUs
+    heads are copied. The workspace is priced whole, an upper bound for a share of the heads."""
+    Hq, Hkv = config.num_attention_heads, kv_heads(config)
+    if budget_bytes <= 0 or min(batch, prefill_chunk, block, tp) < 1:
         raise ValueError(f"bad budget: budget_bytes={budget_bytes} batch={batch} "
-                         f"prefill_chunk={prefill_chunk}")
+                         f"prefill_chunk={prefill_chunk} block={block} tp={tp}")
+    if Hq % tp or (Hkv % tp and tp % Hkv):
+        raise ValueError(f"tp={tp} must divide the {Hq} query heads, and divide the {Hkv} KV "
+                         f"heads or be a multiple of them")
     workspace_phases(config, dtype, attention=attention, cache=cache)  # refuse bad names now
     workspace = partial(run_workspace, config, dtype, prefill_chunk=prefill_chunk, batch=batch,
                         attention=attention, cache=cache)
     rope = 4 * head_dim(config)  # RoPE's inverse frequencies: two fp32 buffers of D / 2
-    return Budget(weight_bytes(config, dtype) + rope, kv_bytes_per_token(config, dtype, batch),
-                  int(budget_bytes), workspace)
+    kv = kv_bytes_per_token(config, dtype, batch) * max(1, Hkv // tp) // Hkv
+    return Budget(weight_bytes(config, dtype) // tp + rope, kv, int(budget_bytes), workspace,
+                  block)

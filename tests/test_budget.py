@@ -171,8 +171,8 @@ def test_max_context_is_exact_at_the_edges():
     assert sum(parts.values()) == b.budget and parts["workspace"] == b.workspace
     assert parts["free"] >= 0 > b.breakdown(b.max_context + 1)["free"]
     assert dataclasses.asdict(b) == {"weights": b.weights, "kv_per_token": 147456,
-                                     "budget": 12 * GIB, "max_context": b.max_context,
-                                     "workspace": b.workspace}
+                                     "budget": 12 * GIB, "block": 1,
+                                     "max_context": b.max_context, "workspace": b.workspace}
     assert Budget(weights=10, kv_per_token=1, budget=5).max_context == 0
     assert Budget(weights=10, kv_per_token=1, budget=15).max_context == 5
 
@@ -182,3 +182,24 @@ def test_plan_budget_rejects_nonsense_with_numbers():
         plan_budget(load_config("smollm2-135m"), torch.float32, 0)
     with pytest.raises(ValueError, match="'flash'"):
         plan_budget(load_config("smollm2-135m"), torch.float32, GIB, attention="flash")
+    with pytest.raises(ValueError, match="block=0"):
+        plan_budget(load_config("smollm2-135m"), torch.float32, GIB, block=0)
+    with pytest.raises(ValueError, match="tp=3 must divide the 32 query heads, and divide the 8"):
+        plan_budget(load_config("qwen3-4b"), torch.bfloat16, GIB, tp=3)
+
+
+def test_a_block_reserves_whole_blocks():
+    c, kv = load_config("qwen3-4b"), 147456
+    slab, paged = (plan_budget(c, torch.bfloat16, 12 * GIB, block=b) for b in (1, 256))
+    assert paged.breakdown(257)["kv"] == 512 * kv == paged.breakdown(512)["kv"]
+    assert paged.max_context == slab.max_context // 256 * 256  # the blocks that fit, whole
+    assert slab.breakdown(257)["kv"] == 257 * kv
+
+
+@pytest.mark.parametrize("tp, heads", [(1, 8), (2, 4), (8, 1), (16, 1)])
+def test_tensor_parallel_splits_weights_and_kv_heads_down_to_one(tp, heads):
+    c = load_config("qwen3-4b")
+    one, split = (plan_budget(c, torch.bfloat16, 12 * GIB, tp=t) for t in (1, tp))
+    assert split.kv_per_token == 36 * heads * 128 * 2 * 2  # L x heads per GPU x D x (K, V) x bf16
+    rope = 4 * 128
+    assert split.weights - rope == (one.weights - rope) // tp
