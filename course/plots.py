@@ -10,6 +10,7 @@ must say where it came from.
 import dataclasses
 import json
 import os
+import textwrap
 from collections.abc import Sequence
 from itertools import accumulate
 from pathlib import Path
@@ -30,11 +31,12 @@ REGENERATE = "python -m course.bench --out figures"
 
 
 def _figure(title: str, label: str, xlabel: str, ylabel: str, size=(7.0, 4.0)):
-    """A titled figure with one axes; the run label sits small under the title."""
+    """A titled figure with one axes; the run label sits small under the title, wrapped to the
+    figure's width (about 15 characters an inch at 8 points) so that it is never clipped."""
     fig = Figure(figsize=size, layout="constrained")
     fig.suptitle(title, fontweight="bold")
     ax = fig.add_subplot()
-    ax.set_title(label, fontsize=8, color="0.35")
+    ax.set_title(textwrap.fill(label, int(15 * size[0])), fontsize=8, color="0.35")
     ax.set(xlabel=xlabel, ylabel=ylabel)
     ax.grid(alpha=0.3)
     ax.spines[["top", "right"]].set_visible(False)
@@ -184,7 +186,8 @@ def save(fig: Figure, name: str, data: dict, label: str,
     figures, which are written only when asked for (``KVLIB_SAVE_FIGURES=figures``, or the bench's
     ``--out``).
     """
-    if not any(label in t.get_text() for t in fig.findobj(Text)):
+    shown = " ".join(label.split())  # a label may be wrapped onto several lines
+    if not any(shown in " ".join(t.get_text().split()) for t in fig.findobj(Text)):
         raise ValueError(f"figure {name!r} does not show its label {label!r}")
     directory = Path(directory or os.environ.get("KVLIB_SAVE_FIGURES") or FIGURES / "runs")
     directory.mkdir(parents=True, exist_ok=True)
