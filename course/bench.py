@@ -149,7 +149,8 @@ def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=
     on_gpu, cap = device.type == "cuda", cap_memory(budget_gib, device)
     model, _ = load_model(model_name, device=device)
     config, dtype = model.config, model.dtype
-    contexts = contexts or ([1024, 4096, 16384] if on_gpu else [512, 2048, 8192])
+    # within the model's positions: SmolLM2's end at 8,192, and a run decodes past its context
+    contexts = contexts or ([1024, 4096, 16384] if on_gpu else [512, 2048, 7680])
     steps, chunk = steps or (16 if on_gpu else 8), 512
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, config.vocab_size, (1, max(contexts)), generator=gen).to(device)
