@@ -9,11 +9,18 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 __all__ = ["GIB", "MIB", "head_dim", "kv_bytes_per_token", "kv_heads", "kv_token_bytes",
-           "load_config", "shipped_configs"]
+           "load_config", "shipped_configs", "size"]
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def size(nbytes: int) -> str:
+    """Bytes in the unit that keeps them readable: a tiny cache in MiB would print as 0.0."""
+    if nbytes >= MIB:
+        return f"{nbytes / MIB:,.1f} MiB"
+    return f"{nbytes / 1024:,.1f} KiB" if nbytes >= 1024 else f"{nbytes:,} B"
 
 
 def shipped_configs() -> list[str]:

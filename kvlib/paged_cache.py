@@ -10,7 +10,7 @@ blocks (reference counts, copy on write): a shared prefix is stored once.
 import torch
 
 from .cache import bytes_per_token, check_kv, check_view
-from .config import MIB, head_dim, kv_heads
+from .config import head_dim, kv_heads, size
 from .env import default_device
 
 __all__ = ["BlockPool", "OutOfBlocks", "PagedCache"]
@@ -67,7 +67,7 @@ class BlockPool:
 
     def __repr__(self) -> str:
         return (f"BlockPool({self.n_blocks} blocks x {self.block} slots, {self.used} used, "
-                f"{self.block_bytes / 1024:.0f} KiB/block, {self.nbytes / MIB:.1f} MiB)")
+                f"{self.block_bytes / 1024:.0f} KiB/block, {size(self.nbytes)})")
 
 
 class PagedCache:
@@ -136,4 +136,4 @@ class PagedCache:
     def __repr__(self) -> str:
         pool = self.pool
         return (f"PagedCache(seq_len={self.seq_len}, {len(self.table)} blocks of {pool.block} "
-                f"slots, {self.nbytes / MIB:.2f} MiB; pool {pool.used}/{pool.n_blocks} used)")
+                f"slots, {size(self.nbytes)}; pool {pool.used}/{pool.n_blocks} used)")

@@ -12,7 +12,7 @@ import torch
 
 from .budget import Budget, plan_budget
 from .cache import check_kv, check_view
-from .config import MIB, head_dim, kv_heads
+from .config import head_dim, kv_heads, size
 from .env import default_device
 
 __all__ = ["FORMATS", "QuantCache", "WindowBudget", "kv_format_bytes", "plan_kv"]
@@ -93,7 +93,7 @@ class QuantCache:
 
     def __repr__(self) -> str:
         return (f"QuantCache(int{self.bits}, group={self.group}, layers={self.n_layers}, "
-                f"max_seq={self.max_seq}, {self.nbytes / MIB:.1f} MiB, "
+                f"max_seq={self.max_seq}, {size(self.nbytes)}, "
                 f"{self.bytes_per_token} B/token, seq_len={self.seq_len})")
 
 

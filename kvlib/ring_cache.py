@@ -10,7 +10,7 @@ sees). ``sinks`` keeps the first positions beside the ring (StreamingLLM).
 import torch
 
 from .cache import check_kv
-from .config import MIB, head_dim, kv_heads
+from .config import head_dim, kv_heads, size
 from .env import default_device
 
 __all__ = ["RingCache"]
@@ -97,4 +97,4 @@ class RingCache:
 
     def __repr__(self) -> str:
         return (f"RingCache(window={self.window}, sinks={self.sinks}, layers={self.n_layers}, "
-                f"{self.dtype}, {self.nbytes / MIB:.1f} MiB, seq_len={self.seq_len})")
+                f"{self.dtype}, {size(self.nbytes)}, seq_len={self.seq_len})")

@@ -16,7 +16,7 @@ from .budget import meta_model
 from .cards import Card, Kernels
 from .cards import card as get_card
 from .cat_cache import CatCache
-from .config import GIB, MIB, kv_bytes_per_token
+from .config import GIB, MIB, kv_bytes_per_token, size
 from .decoder import check_supported, forward
 from .kv_cache import KVCache
 from .memory import largest
@@ -25,10 +25,6 @@ from .meter import MeteredCache, new_storages
 __all__ = ["Ledger", "Run", "fits_context", "longest_context", "simulate"]
 
 TAIL_STEPS = 2  # decode steps a tail run keeps: the last ones, which hold the most
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / MIB:,.1f} MiB" if nbytes >= MIB else f"{nbytes:,} B"
 
 
 def _meta(model):
@@ -75,8 +71,8 @@ class Ledger(TorchDispatchMode):
         over = self.budget is not None and self.live + request > self.budget
         if request and self._counting and over:
             raise torch.OutOfMemoryError(
-                f"simulated OOM at {func}: {_size(self.live)} live + {_size(request)} requested > "
-                f"{_size(self.budget)} budget ({self.tokens:,} tokens so far)")
+                f"simulated OOM at {func}: {size(self.live)} live + {size(request)} requested > "
+                f"{size(self.budget)} budget ({self.tokens:,} tokens so far)")
         for key, s in new.items():
             self._live[key] = [s.nbytes(), self._regions[-1]]
             self._move(key, +1)
