@@ -25,7 +25,7 @@ BUCKET_CASES = [  # (max_seq, bucket, t)
     (2048, 256, 255),  # writes the last slot of the first bucket
     (2048, 256, 256),  # one slot into the next
     (1000, 256, 990),  # max_seq not a multiple of bucket: the last span is capped
-    (30871, 256, 30870),  # the 12 GiB plan's longest context, last step
+    (30976, 256, 30975),  # the 12 GiB plan's longest context, last step
     (64, 128, 10),  # a bucket bigger than the cache: one graph
 ]
 
@@ -74,8 +74,8 @@ def check_bucket_plan(fn) -> None:
 # --- 2. a conversation's masked reads, and the graphs it captures ------------------------
 
 TRACE_CASES = [  # (config name, dtype, max_seq, bucket, t0, steps)
-    ("qwen3-4b", torch.bfloat16, 30871, 256, 1000, 500),  # a 1,000-token prompt, 500 tokens out
-    ("qwen3-4b", torch.bfloat16, 30871, 30871, 1000, 500),  # the same with one whole-buffer mask
+    ("qwen3-4b", torch.bfloat16, 30976, 256, 1000, 500),  # a 1,000-token prompt, 500 tokens out
+    ("qwen3-4b", torch.bfloat16, 30976, 30976, 1000, 500),  # the same with one whole-buffer mask
     ("smollm2-135m", torch.float32, 2048, 64, 0, 2048),  # the whole cache, from empty
     ("llama-3.2-3b", torch.float16, 1000, 256, 990, 10),  # the capped last bucket
 ]
