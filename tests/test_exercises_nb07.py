@@ -1,34 +1,64 @@
 """Notebook 07's exercise checks, and the wrong answers each must catch."""
 
-import torch
 from exercises import nb07
 from helpers import check_tests
 
 
-def lookup_logical(table, block, slot):  # forgets the table
-    return slot // block, slot % block
+def cow_never_copies(tables, refs, free, request, slot, block):  # writes into the shared block
+    if slot // block == len(tables[request]):
+        return nb07.cow_write_solution(tables, refs, free, request, slot, block)
+    return None
 
 
-def lookup_swapped(table, block, slot):
-    return slot % block, table[slot // block]
+def cow_always_copies(tables, refs, free, request, slot, block):  # even a block held alone
+    table, logical = tables[request], slot // block
+    if logical == len(table):
+        return nb07.cow_write_solution(tables, refs, free, request, slot, block)
+    old, new = table[logical], free.pop()
+    refs[old] -= 1
+    refs[new] = 1
+    table[logical] = new
+    return old, new
 
 
-def lookup_no_offset(table, block, slot):  # the slot, not its offset in the block
-    return table[slot // block], slot
+def cow_keeps_count(tables, refs, free, request, slot, block):  # the old block keeps its holder
+    copy = nb07.cow_write_solution(tables, refs, free, request, slot, block)
+    if copy:
+        refs[copy[0]] += 1
+    return copy
 
 
-def gather_by_number(pool_k, table, seq):  # the right blocks, in the pool's order
-    return nb07.gather_solution(pool_k, sorted(table[: -(-seq // pool_k.shape[2])]), seq)
+def cow_swapped(tables, refs, free, request, slot, block):  # copies the new block onto the old
+    copy = nb07.cow_write_solution(tables, refs, free, request, slot, block)
+    return copy[::-1] if copy else copy
 
 
-def gather_not_cut(pool_k, table, seq):  # whole blocks: the tail of the last one too
-    n = -(-seq // pool_k.shape[2])
-    gathered = pool_k.index_select(1, torch.tensor(table[:n]))  # [Hkv, n, block, D]
-    return gathered.reshape(1, pool_k.shape[0], -1, pool_k.shape[3])
+def cow_table_unchanged(tables, refs, free, request, slot, block):  # copies, but reads the old
+    table = list(tables[request])
+    copy = nb07.cow_write_solution(tables, refs, free, request, slot, block)
+    if copy:
+        tables[request][:] = table
+    return copy
 
 
-def gather_first_blocks(pool_k, table, seq):  # blocks 0, 1, ... as if the table were the identity
-    return nb07.gather_solution(pool_k, list(range(len(table))), seq)
+def fits_by_tokens(slots, budget_tokens, block):  # slots, not whole blocks
+    return next((i for i in range(len(slots)) if sum(slots[: i + 1]) > budget_tokens), len(slots))
+
+
+def fits_floor_blocks(slots, budget_tokens, block):  # forgets the last, partial block
+    return nb07.fits_solution([n // block * block for n in slots], budget_tokens, block)
+
+
+def fits_skips(slots, budget_tokens, block):  # admits later, smaller requests past one that waits
+    free, count = budget_tokens // block, 0
+    for n in slots:
+        if -(-n // block) <= free:
+            free, count = free - -(-n // block), count + 1
+    return count
+
+
+def fits_ceil_pool(slots, budget_tokens, block):  # a pool of ceil(budget / block) blocks
+    return nb07.fits_solution(slots, -(-budget_tokens // block) * block, block)
 
 
 def kv_split_fraction(config, dtype, tp):  # a fraction of a head per GPU past Hkv GPUs
@@ -45,9 +75,11 @@ def kv_floor_heads(config, dtype, tp):  # rounds the heads per GPU down: 0 past 
 
 
 CASES = [
-    (nb07.check_lookup, nb07.lookup_solution, [lookup_logical, lookup_swapped, lookup_no_offset]),
-    (nb07.check_gather, nb07.gather_solution, [gather_by_number, gather_not_cut,
-                                               gather_first_blocks]),
+    (nb07.check_cow_write, nb07.cow_write_solution, [cow_never_copies, cow_always_copies,
+                                                     cow_keeps_count, cow_swapped,
+                                                     cow_table_unchanged]),
+    (nb07.check_fits, nb07.fits_solution, [fits_by_tokens, fits_floor_blocks, fits_skips,
+                                           fits_ceil_pool]),
     (nb07.check_kv_per_gpu, nb07.kv_per_gpu_solution, [kv_split_fraction, kv_not_split,
                                                        kv_floor_heads]),
 ]

@@ -11,63 +11,116 @@ from kvlib.config import head_dim, kv_heads, kv_token_bytes, load_config
 
 from .checking import attempt, check, expect, hint
 
-# --- 1. the block table: where does slot t live? -----------------------------------------
+# --- 1. copy on write: the first divergent write into a shared block ----------------------
 
 
-def lookup_solution(table: list[int], block: int, slot: int) -> tuple[int, int]:
-    """``(physical block, offset)`` of logical slot ``slot``: logical block ``slot // block`` is
-    ``table[slot // block]``, and the slot sits ``slot % block`` into it."""
-    return table[slot // block], slot % block
+def cow_write_solution(tables: list[list[int]], refs: list[int], free: list[int], request: int,
+                       slot: int, block: int):
+    """Request ``request`` is about to write logical slot ``slot``; make that safe, in place.
+
+    ``tables``: a block table per request; ``refs[b]``: how many tables hold block ``b``;
+    ``free``: the free list, a stack (the next block is the last). A slot past the table opens a
+    new block. A slot in a block that other tables hold too must not be written there: the
+    writer takes a new block, points its table at it and lets go of the old one, whose count
+    drops; the old block's K/V are copied first. Returns that copy, ``(source, destination)``,
+    or ``None`` when the write needs none (a new block, or a block this request holds alone).
+    """
+    table, logical = tables[request], slot // block
+    if logical == len(table):  # the slot opens a new block: nothing in it to copy
+        new = free.pop()
+        table.append(new)
+        refs[new] = 1
+        return None
+    old = table[logical]
+    if refs[old] == 1:  # held by this request alone: write in place
+        return None
+    new = free.pop()
+    refs[old] -= 1
+    refs[new] = 1
+    table[logical] = new
+    return old, new
 
 
-LOOKUP_CASES = [([7, 2, 9], 4, 6), ([7, 2, 9], 4, 0), ([7, 2, 9], 4, 11), ([3, 0], 16, 16),
-                ([5], 1, 0), ([4, 1, 6, 0], 3, 7)]
+def _cow_story():
+    """A 6-slot prompt in blocks of 4, forked twice, then writes: ``(state, writes)``.
+
+    The state is ``(tables, refs, free)`` after the forks: request 0 holds blocks 0 and 1, and the
+    two forks hold the same ones (a fork copies the table, each block's count goes up)."""
+    tables, refs, free = [[0, 1], [0, 1], [0, 1]], [3, 3, 0, 0, 0, 0, 0, 0], [7, 6, 5, 4, 3, 2]
+    writes = [(1, 6), (1, 7), (1, 8), (2, 6), (0, 6), (2, 7), (2, 8), (0, 7)]  # at the tips
+    return (tables, refs, free), writes
 
 
 @check
-def check_lookup(fn) -> None:
-    """``fn(table, block, slot)`` -> ``(physical block, offset)``."""
-    for table, block, slot in LOOKUP_CASES:
-        got = attempt(fn, list(table), block, slot)
+def check_cow_write(fn) -> None:
+    """``fn(tables, refs, free, request, slot, block)`` -> the copy, the state changed in place."""
+    (tables, refs, free), writes = _cow_story()
+    want_tables, want_refs, want_free = [list(t) for t in tables], list(refs), list(free)
+    for request, slot in writes:
+        before = f"tables {want_tables}, refs {want_refs}, free {want_free}"
+        shared = slot // 4 < len(want_tables[request])
+        old = want_tables[request][slot // 4] if shared else None
+        want = cow_write_solution(want_tables, want_refs, want_free, request, slot, 4)
+        got = attempt(fn, tables, refs, free, request, slot, 4)
+        where = f"with {before}, request {request} writes slot {slot}"
         got = tuple(got) if isinstance(got, (tuple, list)) else got
-        want = lookup_solution(table, block, slot)
-        logical, offset = slot // block, slot % block
-        known = {(logical, offset): "That is the logical block: look it up in the table.",
-                 (offset, logical): "The offset is slot % block, the block slot // block.",
-                 (table[slot // block], slot): "The offset counts from the block's first slot."}
-        expect(got == want,
-               f"table {table}, block {block}, slot {slot}: you said {got}, want {want}.",
-               hint(got, known))
+        known = {None: f"Block {old} is held by {want_refs[old] + 1} tables: a write there would "
+                       "change the other requests' K/V. Copy it to a new block first."
+                 if want is not None else "",
+                 want[::-1] if want else (): "The copy goes from the shared block to the new one."}
+        if want is None and got is not None and shared:
+            known[got] = "Only a shared block needs a copy: its last holder writes in place."
+        expect(got == want, f"{where}: you returned {got}, want {want}.", hint(got, known))
+        expect([list(t) for t in tables] == want_tables,
+               f"{where}: tables became {tables}, want {want_tables}.",
+               " The table must point at the new block." if want else "")
+        expect(list(refs) == want_refs, f"{where}: refs became {refs}, want {want_refs}.",
+               " The old block lost a holder: its count goes down by one." if want else "")
+        expect(list(free) == want_free, f"{where}: free became {free}, want {want_free}.",
+               " Take the next block from the free list: free.pop().")
 
 
-# --- 2. reading a request's blocks -----------------------------------------------------------
+# --- 2. capacity in pages: predict, then count -------------------------------------------------
 
 
-def gather_solution(pool_k: torch.Tensor, table: list[int], seq: int) -> torch.Tensor:
-    """``[1, Hkv, seq, D]`` from ``pool_k`` ``[Hkv, n_blocks, block, D]``: the table's blocks in
-    table order, laid end to end, cut to ``seq`` slots. ``index_select`` copies them (a gather)."""
-    Hkv, _, block, D = pool_k.shape
-    n = -(-seq // block)  # the blocks that hold slots 0..seq
-    index = torch.tensor(table[:n], dtype=torch.long)
-    return pool_k.index_select(1, index).reshape(1, Hkv, n * block, D)[:, :, :seq]
+def fits_solution(slots: list[int], budget_tokens: int, block: int) -> int:
+    """How many requests, admitted in order, fit a pool of ``budget_tokens // block`` blocks: each
+    holds ``ceil(n / block)`` blocks for its ``n`` slots, and admission stops at the first that
+    does not fit (a server does not skip ahead of it)."""
+    free = budget_tokens // block
+    for count, n in enumerate(slots):
+        need = -(-n // block)
+        if need > free:
+            return count
+        free -= need
+    return len(slots)
+
+
+FITS_CASES = [([5, 16, 17, 3, 40], 64, 16), ([10, 40, 3], 48, 16), ([16, 16, 16, 16], 50, 16),
+              ([1, 1, 1, 1, 1], 64, 32), ([100, 28, 300, 1], 512, 128), ([7] * 9, 40, 8)]
 
 
 @check
-def check_gather(fn) -> None:
-    """``fn(pool_k, table, seq)`` -> the request's ``[1, Hkv, seq, D]`` keys."""
-    g = torch.Generator().manual_seed(7)
-    pool_k = torch.randn(2, 6, 4, 3, generator=g)  # [Hkv, n_blocks, block, D]
-    for table, seq in (([3, 0, 5], 10), ([1], 4), ([4, 2], 5), ([0, 1, 2], 1), ([5, 3, 1, 0], 16)):
-        got = attempt(fn, pool_k, list(table), seq)
-        want = gather_solution(pool_k, table, seq)
-        where = f"table {table}, seq {seq}"
-        expect(isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(want.shape),
-               f"{where}: shape {None if got is None else tuple(getattr(got, 'shape', ()))}, "
-               f"want [1, Hkv, seq, D] = {tuple(want.shape)}")
-        by_number = gather_solution(pool_k, sorted(table[: -(-seq // 4)]), seq)
-        expect(torch.equal(got, want), f"{where}: right shape, wrong values. " + (
-            "Follow the table's order, not the blocks' numbers." if torch.equal(got, by_number)
-            else "Slot t is at block table[t // block], offset t % block."))
+def check_fits(fn) -> None:
+    """``fn(slots, budget_tokens, block)`` -> how many requests of ``slots`` fit, in order."""
+    for slots, budget, block in FITS_CASES:
+        got = attempt(fn, list(slots), budget, block)
+        want = fits_solution(slots, budget, block)
+        by_tokens = next((i for i in range(len(slots)) if sum(slots[: i + 1]) > budget),
+                         len(slots))
+        floored = fits_solution([n // block * block for n in slots], budget, block)
+        whole_pool = fits_solution(slots, -(-budget // block) * block, block)
+        left, skipping = budget // block, 0  # admits later requests past one that does not fit
+        for need in (-(-n // block) for n in slots):
+            if need <= left:
+                left, skipping = left - need, skipping + 1
+        known = {by_tokens: "A request holds whole blocks: ceil(n / block) of them, not n slots.",
+                 floored: "A request's last, partial block is held too: round the blocks up.",
+                 whole_pool: "The pool holds whole blocks: budget_tokens // block of them.",
+                 skipping: "Admission stops at the first request that does not fit: no skipping."}
+        expect(got == want,
+               f"slots {slots}, {budget} tokens of KV, block {block} "
+               f"({budget // block} blocks): you said {got}, want {want}.", hint(got, known))
 
 
 # --- 3. tensor parallelism: KV bytes per token on each GPU -----------------------------------
