@@ -17,10 +17,8 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
 def size(nbytes: int) -> str:
-    """Bytes in the unit that keeps them readable: a tiny cache in MiB would print as 0.0."""
-    if nbytes >= MIB:
-        return f"{nbytes / MIB:,.1f} MiB"
-    return f"{nbytes / 1024:,.1f} KiB" if nbytes >= 1024 else f"{nbytes:,} B"
+    """MiB from a MiB up, exact bytes below: a small cache in MiB would print as 0.0."""
+    return f"{nbytes / MIB:,.1f} MiB" if nbytes >= MIB else f"{nbytes:,} B"
 
 
 def shipped_configs() -> list[str]:

@@ -67,7 +67,7 @@ class BlockPool:
 
     def __repr__(self) -> str:
         return (f"BlockPool({self.n_blocks} blocks x {self.block} slots, {self.used} used, "
-                f"{self.block_bytes / 1024:.0f} KiB/block, {size(self.nbytes)})")
+                f"{size(self.block_bytes)}/block, {size(self.nbytes)})")
 
 
 class PagedCache:
