@@ -10,8 +10,35 @@ def wrong_strides(max_seq, n_kv_heads, head_dim, layout):
     return (max_seq * head_dim, head_dim, 1)  # the head-major answer for both layouts
 
 
-def wrong_bytes(config, seq, dtype):  # counts the KV heads, not the query heads
-    return 2 * config.num_key_value_heads * seq * nb04.head_dim(config) * dtype.itemsize
+def _per_token(config, dtype):
+    """(weights, cache bytes per token, one layer's repeat_kv copy per token), by hand."""
+    d, size = nb04.head_dim(config), dtype.itemsize
+    cache = 2 * config.num_hidden_layers * config.num_key_value_heads * d * size
+    return nb04.weight_bytes(config, dtype), cache, 2 * config.num_attention_heads * d * size
+
+
+def no_copy(config, dtype, budget):  # the limit of the cache alone
+    weights, cache, _ = _per_token(config, dtype)
+    return (budget - weights) // cache
+
+
+def every_layer_copy(config, dtype, budget):  # as if all layers' copies were live at once
+    weights, cache, copy = _per_token(config, dtype)
+    return (budget - weights) // (cache + config.num_hidden_layers * copy)
+
+
+def kv_heads_copy(config, dtype, budget):  # the copy sized by the KV heads, not the query heads
+    weights, cache, _ = _per_token(config, dtype)
+    return (budget - weights) // (cache + cache // config.num_hidden_layers)
+
+
+def no_weights(config, dtype, budget):  # the whole card for the cache and the copy
+    _, cache, copy = _per_token(config, dtype)
+    return budget // (cache + copy)
+
+
+def off_by_one(config, dtype, budget):  # the first context that does not fit
+    return nb04.repeat_kv_limit_solution(config, dtype, budget) + 1
 
 
 def interleaved_mask(q, k, v, t):  # the right fold, but the mask rows in the wrong order
@@ -42,12 +69,20 @@ def copying(q, k, v, t):  # right answer, but expands K/V with a copy
 
 CASES = [
     (nb04.check_view_strides, nb04.view_strides_solution, [wrong_strides]),
-    (nb04.check_repeat_kv_bytes, nb04.repeat_kv_bytes_solution, [wrong_bytes]),
+    (nb04.check_repeat_kv_limit, nb04.repeat_kv_limit_solution,
+     [no_copy, every_layer_copy, kv_heads_copy, no_weights, off_by_one]),
     (nb04.check_chunk_attention, nb04.chunk_attention_solution,
      [interleaved_mask, no_offset, copying]),
 ]
 
-test_check = check_tests(nb04, CASES)
+test_check = check_tests(nb04, CASES, notes={nb04.check_repeat_kv_limit: "29,540 with it"})
+
+
+def test_hints_name_the_known_mistakes(capsys):
+    for wrong, words in [(no_copy, "without the copy"), (every_layer_copy, "layer by layer"),
+                         (kv_heads_copy, "query heads"), (no_weights, "weights are on the card")]:
+        nb04.check_repeat_kv_limit(wrong)
+        assert words in capsys.readouterr().out, wrong.__name__
 
 
 def test_chunk_solution_matches_gqa_with_a_mask():

@@ -10,10 +10,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvlib import KVCache
-from kvlib.config import head_dim, load_config
+from kvlib.budget import weight_bytes
+from kvlib.config import GIB, head_dim, kv_bytes_per_token, load_config
 from kvlib.meter import AllocMeter
 
-from .checking import attempt, check, expect
+from .checking import attempt, check, expect, hint
 
 # --- 1. strides of the view SDPA gets ---------------------------------------------------
 
@@ -52,43 +53,64 @@ def check_view_strides(fn) -> None:
                    f"many elements you skip in storage to move one step along that dim.")
 
 
-# --- 2. what repeat_kv allocates -------------------------------------------------------
+# --- 2. the context repeat_kv's copy costs ----------------------------------------------
 
 
-def repeat_kv_bytes_solution(config, seq: int, dtype: torch.dtype) -> int:
-    """Bytes ``repeat_kv`` allocates for K *and* V of one layer at ``seq`` tokens."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_attention_heads * seq * head_dim(config) * element
+def repeat_kv_limit_solution(config, dtype: torch.dtype, budget_bytes: int) -> int:
+    """Longest context at which the weights, the whole cache and one layer's ``repeat_kv`` copy of
+    K and V fit in ``budget_bytes``. Both the cache and the copy grow by a fixed number of bytes
+    per token, so the answer is what the weights leave, divided by their sum."""
+    d, element = head_dim(config), dtype.itemsize
+    cache_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * d * element
+    copy_per_token = 2 * config.num_attention_heads * d * element  # query heads, one layer
+    return (budget_bytes - weight_bytes(config, dtype)) // (cache_per_token + copy_per_token)
 
 
-def _measured_repeat_bytes(config, seq: int, dtype: torch.dtype) -> int:
+def _measured_copy_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes ``repeat_kv`` allocates for one layer's K and V, per token, counted by the meter."""
     from transformers.models.llama.modeling_llama import repeat_kv
 
     h_kv, h_q, d = config.num_key_value_heads, config.num_attention_heads, head_dim(config)
+    seq = 1024
     k = torch.empty(1, h_kv, seq, d, dtype=dtype, device="meta")  # meta: shapes, no memory
     v = torch.empty(1, h_kv, seq, d, dtype=dtype, device="meta")
     with AllocMeter() as meter:
         repeat_kv(k, h_q // h_kv)
         repeat_kv(v, h_q // h_kv)
-    return meter.total
+    return meter.total // seq
 
 
-REPEAT_CASES = [("qwen3-4b", 32768, torch.bfloat16), ("smollm2-135m", 2048, torch.float32),
-                ("llama-3.2-3b", 8192, torch.float16)]
+LIMIT_CASES = [("qwen3-4b", torch.bfloat16, 12 * GIB), ("llama-3.2-3b", torch.float16, 12 * GIB),
+               ("smollm2-135m", torch.float32, 1 * GIB)]
 
 
 @check
-def check_repeat_kv_bytes(fn) -> None:
-    """``fn(config, seq, dtype)`` -> bytes repeat_kv allocates for one layer's K and V."""
-    for name, seq, dtype in REPEAT_CASES:
+def check_repeat_kv_limit(fn) -> str:
+    """``fn(config, dtype, budget_bytes)`` -> longest context with one layer's copy alongside."""
+    notes = []  # the first case's is printed: Qwen3-4B on 12 GiB
+    for name, dtype, budget in LIMIT_CASES:
         config = load_config(name)
-        got = int(attempt(fn, config, seq, dtype))
-        want = _measured_repeat_bytes(config, seq, dtype)
+        weights = weight_bytes(config, dtype)
+        cache, copy = kv_bytes_per_token(config, dtype), _measured_copy_per_token(config, dtype)
+        free, group = budget - weights, config.num_attention_heads // config.num_key_value_heads
+        want, without = free // (cache + copy), free // cache
+        got = int(attempt(fn, config, dtype, budget))
         expect(got == want,
-               f"{name} at {seq} tokens in {str(dtype).removeprefix('torch.')}: you predicted "
-               f"{got:,} B, the meter counted {want:,} B for K and V of one layer "
-               f"({config.num_attention_heads} query heads, {config.num_key_value_heads} KV "
-               f"heads, head_dim {head_dim(config)}).")
+               f"{name} in {str(dtype).removeprefix('torch.')} on {budget / GIB:g} GiB: you said "
+               f"{got:,} tokens, the longest that fits is {want:,} (weights {weights:,} B; per "
+               f"token: cache {cache:,} B, one layer's copy {copy:,} B as the meter counts it).",
+               hint(got, {
+                   without: "That is the limit without the copy: add its bytes per token.",
+                   free // (cache + copy * config.num_hidden_layers):
+                       "The copy is made and freed layer by layer: one layer's is live at a time.",
+                   free // (cache + copy // group):
+                       "The copy holds the query heads (Hq), not the KV heads it repeats.",
+                   budget // (cache + copy): "The weights are on the card too.",
+               }))
+        notes.append(f"{name}: {without:,} tokens without the copy, {want:,} with it "
+                     f"({1 - want / without:.0%} fewer; the copy per token is group/L = "
+                     f"{group}/{config.num_hidden_layers} of the cache's)")
+    return notes[0]
 
 
 # --- 3. attention for a chunk of prefill, folded ---------------------------------------
