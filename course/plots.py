@@ -78,6 +78,11 @@ def memory_vs_tokens(rows_by_name: dict[str, dict[str, list]], label: str,
     return _finish(fig, ax)
 
 
+# One colour per cache in every figure: the preallocated cache green, the copying cat red.
+CACHE_COLORS = {"prealloc": "tab:green", "cat": "tab:red", "hf_dynamic": "tab:purple",
+                "hf_static": "tab:brown"}
+
+
 def time_per_step(series: dict[str, tuple], label: str, xlabel: str = "context (tokens)") -> Figure:
     """Milliseconds per decode step against the context it attends over, one line per series.
 
@@ -86,7 +91,8 @@ def time_per_step(series: dict[str, tuple], label: str, xlabel: str = "context (
     """
     fig, ax = _figure("Time per decode step", label, xlabel, "ms / step")
     for name, (tokens, ms, *spread) in series.items():
-        (line,) = ax.plot(tokens, ms, "o-" if len(tokens) < 20 else "-", ms=4, label=name)
+        (line,) = ax.plot(tokens, ms, "o-" if len(tokens) < 20 else "-", ms=4, label=name,
+                          color=CACHE_COLORS.get(name))
         if spread:
             ax.fill_between(tokens, *spread[0], color=line.get_color(), alpha=0.2, lw=0)
     return _finish(fig, ax)
