@@ -48,12 +48,13 @@ case "${1:-open}" in
         fi
         exec "$py" tests/gpu_check.py "$@" ;;
     gpu-wheels)
-        # pytest, nbval and everything they need, for the GPU machine's Python (3.12 unless
+        # pytest, nbval, a kernel, ipywidgets (tqdm warns on stderr without it, which nbval
+        # counts as output) and everything they need, for the GPU machine's Python (3.12 unless
         # GPU_PYTHON says otherwise), under 20 MB: carry .whl/ there with the checkout.
         "${PYTHON:-python3}" -m pip download --quiet --disable-pip-version-check -d .whl \
             --only-binary=:all: --python-version "${GPU_PYTHON:-3.12}" \
             --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-            --platform manylinux2014_x86_64 pytest nbval ipykernel
+            --platform manylinux2014_x86_64 pytest nbval ipykernel ipywidgets
         du -sh .whl ;;
     open)
         setup

@@ -102,14 +102,17 @@ def _runs(model, kind: str, n: int, chunk: int) -> dict:
 
     free(device)
     MemoryTrace(device).reset_peak()
+    before = memory_stats(device).get("allocated")  # the weights, and what a library keeps
     try:
         attempt()
         fits = True
     except torch.OutOfMemoryError:
         fits = False
-    peak = memory_stats(device).get("peak_reserved")
+    stats = memory_stats(device)
     free(device)
-    return {"tokens": n, "fits": fits, "peak_reserved": peak, "grown": grown}
+    return {"tokens": n, "fits": fits, "allocated_before": before,
+            "peak_allocated": stats.get("peak_allocated"),
+            "peak_reserved": stats.get("peak_reserved"), "grown": grown}
 
 
 def longest_context(model, budget: int, chunk: int) -> dict:

@@ -161,8 +161,10 @@ def _run(model, ids: torch.Tensor, positions: torch.Tensor, passes: list[_Pass])
             x = x + _attention(layer.self_attn, layer.input_layernorm(x), i, cos, sin, passes)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
     # Only each request's last position goes through the head: the others' logits are never used,
-    # and for a long prompt they would be the largest tensor of the step.
-    return model.lm_head(body.norm(x[0, [p.rows.stop - 1 for p in passes]]))
+    # and for a long prompt they would be the largest tensor of the step. Slices, not a list
+    # index: a list becomes a host tensor copied to the GPU, which a CUDA graph capture refuses.
+    last = [x[0, p.rows.stop - 1 : p.rows.stop] for p in passes]  # each [1, d]
+    return model.lm_head(body.norm(last[0] if len(last) == 1 else torch.cat(last)))
 
 
 def _mask(model, visible: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,7 @@ from kvlib.memory import (  # noqa: E402
 from kvlib.timing import StepTimer  # noqa: E402
 
 MODEL, BUDGET_GIB, CONTEXT, NEW, CHUNK = "random:qwen3-4b", 12, 8192, 32, 512
+TIE = 2  # bf16 steps between the top two logits: a tie, where two kernels may disagree
 LIMIT_S = 8 * 60
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
@@ -260,7 +261,7 @@ def _new_shape_cost(device, q, k, v, kw):
 
 @check(40, model=True)
 def decode(ctx):
-    """Eager, static and CUDA-graph decode at CONTEXT: the same tokens, and ms per token each."""
+    """Eager, static and CUDA-graph decode at CONTEXT: the same tokens up to a tie; ms per token."""
     model, device = ctx.model, ctx.device
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (1, CONTEXT), generator=gen).to(device)
@@ -276,17 +277,28 @@ def decode(ctx):
     data = {"ms_per_token": ms, "tokens": tokens, "graph_memory": graph_step.memory,
             "context": CONTEXT}
     line = " · ".join(f"{k} {m:.2f} ms/token" for k, m in ms.items())
-    if tokens["eager"] == tokens["static"] == tokens["graph"]:
-        return "PASS", f"{NEW} identical tokens at {CONTEXT}: {line}", data
-    for other in ("static", "graph"):
-        i = next((i for i, (a, b) in enumerate(zip(tokens["eager"], tokens[other]))
-                  if a != b), None)
-        if i is not None:
-            top = runs[other].logits[i].topk(2).values
-            data[f"eager_vs_{other}"] = {"first_diff": i, "margin": (top[0] - top[1]).item()}
-            line += (f"; {other} differs from eager at token {i} (its top-2 logit margin there "
-                     f"{(top[0] - top[1]).item():.3f})")
-    return "FAIL", line, data
+    # The graph replays the static step's very kernels: its tokens must be the static step's. The
+    # static step reads a masked, bucketed span where eager reads exactly t slots, through another
+    # kernel: bf16 rounding may differ, and on random weights two logits can tie. So eager may part
+    # from them only where its top two logits lie within TIE bf16 steps, a tie in the model's dtype.
+    ok = tokens["graph"] == tokens["static"]
+    i = next((i for i, (a, b) in enumerate(zip(tokens["eager"], tokens["static"])) if a != b), None)
+    if i is None:
+        return ("PASS" if ok else "FAIL"), (f"{NEW} identical tokens at {CONTEXT}: {line}"
+                                            + ("" if ok else "; the graph's differ")), data
+    top = runs["eager"].logits[i].float().topk(2).values
+    step = torch.finfo(ctx.model.dtype).eps * 2.0 ** torch.floor(torch.log2(top[0].abs())).item()
+    margin = (top[0] - top[1]).item()
+    data["eager_vs_static"] = {"first_diff": i, "top": top[0].item(), "margin": margin,
+                               "dtype_step": step}
+    ok &= margin <= TIE * step
+    same = "identical" if tokens["graph"] == tokens["static"] else "DIFFER"
+    return ("PASS" if ok else "FAIL"), (
+        f"{line}; graph and static {same}"
+        f"; eager parts from them at token {i} of {NEW}, where its top two logits differ by "
+        f"{margin:.4f} = {margin / step:.1f} steps of {str(model.dtype).removeprefix('torch.')} at "
+        f"{top[0].item():.2f} "
+        f"({'a tie' if margin <= TIE * step else 'NOT a tie'})"), data
 
 
 @check(30, model=True)
@@ -326,17 +338,43 @@ def graph_memory(ctx):
 
 @check(60, model=True)
 def longest(ctx):
-    """The longest context prealloc and cat reach, bisected, against the plan."""
+    """The longest context prealloc and cat reach, bisected, against the plan (:func:`judge`)."""
     budget = allocator_budget(ctx.device, ctx.cap)
     res = bench.longest_context(ctx.model, budget, CHUNK)
     rows = {k: [r[k] for r in res["cat_trace"]] for k in ("tokens", "allocated", "reserved")}
     fig = plots.memory_vs_tokens({"cat (grown per chunk)": rows}, ctx.where, budget_bytes=budget)
     ctx.save(fig, "gpu_longest", res)
-    plan_ok = res["prealloc"] >= res["arithmetic"]
-    line = (f"plan {res['arithmetic']:,} · prealloc {res['prealloc']:,} · cat {res['cat']:,} "
-            f"tokens under {budget / GIB:.2f} GiB"
-            + ("" if plan_ok else " · the plan promises more than runs"))
-    return ("PASS" if plan_ok and res["cat"] > 0 else "FAIL"), line, res
+    status, line, res["at_longest"] = judge(res, ctx.model.config, ctx.model.dtype)
+    return status, line, res
+
+
+def judge(res: dict, config, dtype) -> tuple[str, str, dict]:
+    """The plan prices live tensors; the cap holds what the allocator reserves, which is more. So
+    the check is that the plan's bytes are the card's: at the longest prealloc that fits, what the
+    run allocated on top of what was held before it is at least the plan's KV and at most its KV
+    plus workspace (the workspace is priced for the kernel that needs most). What was held beyond
+    the weights before the run (libraries' workspaces) and what the allocator reserved beyond what
+    was allocated are reported: they are why a card stops short of the plan."""
+    budget = res["budget"]
+    fit = next(t for t in res["tries"]["prealloc"] if t["tokens"] == res["prealloc"] and t["fits"])
+    plan = plan_budget(config, dtype, budget, prefill_chunk=CHUNK)
+    parts = plan.breakdown(fit["tokens"])
+    added = fit["peak_allocated"] - fit["allocated_before"]
+    held = fit["allocated_before"] - plan.weights
+    replan = plan_budget(config, dtype, budget - held, prefill_chunk=CHUNK).max_context
+    at = {"tokens": fit["tokens"], "allocated_by_run": added, "planned_kv": parts["kv"],
+          "planned_workspace": parts["workspace"], "held_beyond_weights": held,
+          "reserved_beyond_allocated": fit["peak_reserved"] - fit["peak_allocated"],
+          "plan_after_held": replan}
+    ok = parts["kv"] <= added <= parts["kv"] + parts["workspace"] and res["cat"] > 0
+    line = (f"plan {res['arithmetic']:,} · prealloc {res['prealloc']:,} "
+            f"({res['prealloc'] / res['arithmetic']:.1%} of plan) · cat {res['cat']:,} tokens "
+            f"under {budget / GIB:.2f} GiB; at {fit['tokens']:,} the run allocated the planned KV "
+            f"+ {(added - parts['kv']) / MIB:.1f} MiB of a planned {parts['workspace'] / MIB:.1f} "
+            f"MiB workspace; held beyond the weights before it {held / MIB:.1f} MiB (plan without "
+            f"it: {replan:,}); reserved beyond allocated at the peak "
+            f"{at['reserved_beyond_allocated'] / MIB:.1f} MiB")
+    return ("PASS" if ok else "FAIL"), line, at
 
 
 @check(30, model=True)
@@ -426,7 +464,7 @@ def cuda_tests(ctx):
 @check(90, cuda=False)
 def nbval(ctx):
     """Notebook 00 under nbval, on this device."""
-    why = _have(ctx, "pytest", "nbval", "ipykernel")
+    why = _have(ctx, "pytest", "nbval", "ipykernel", "ipywidgets")
     if why or ctx.dry:
         return "SKIP", why or "dry run: nbval ready; CI runs every notebook", {}
     notebook = next((ROOT / "notebooks").glob("00-*.ipynb"))

@@ -10,7 +10,8 @@ refused here too, in CI.
 
 The fake graph records the aten ops of the captured call and replays exactly those ops on the same
 tensors, so a step that keeps a host value (a Python int, a ``.item()``) in what it captures gives
-wrong tokens here, as it would on a GPU; a host sync during capture raises, as CUDA does.
+wrong tokens here, as it would on a GPU; a host sync during capture raises, as CUDA does, and so
+does a tensor made from host data (a list index), which CUDA would copy from unpinned memory.
 
 Run on a real GPU too (the GPU check does): then it checks kvlib against that machine's torch.
 """
@@ -122,6 +123,7 @@ class FakeDriver:
         cuda = torch.cuda
         mp.setattr(cuda, "_initialized", True)  # what torch._C._cuda_init() leaves behind
         mp.setattr(cuda, "_cached_device_count", None)
+        mp.setattr(cuda, "_device_count_nvml", lambda: -1)  # on a real card NVML would answer
         mp.setattr(cuda, "default_generators", tuple(torch.Generator() for _ in range(self.count)))
         mp.setattr(cuda, "_cudart", types.SimpleNamespace(cudaMemGetInfo=self.mem_get_info))
         mp.setattr(cuda, "_get_device_properties", self.properties, raising=False)
@@ -192,6 +194,10 @@ class _Recorder(TorchDispatchMode):
         if func in SYNCS:  # the host cannot wait for a stream that is capturing
             raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing "
                                f"({func})")
+        if func is torch.ops.aten.lift_fresh.default:  # a tensor made from host data (a list
+            # index, torch.tensor(...)): on a GPU, a copy from unpinned host memory, refused
+            raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture "
+                               "unless the CPU tensor is pinned")
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.graph.ops.append((func, args, kwargs, out))
