@@ -511,7 +511,11 @@ def main(argv=None) -> int:
     p.add_argument("outdir", nargs="?", type=Path, default=ROOT / "build" / "gpu-check")
     p.add_argument("--dry-run", action="store_true",
                    help="walk the checks; SKIP those needing CUDA")
+    p.add_argument("--only", type=lambda v: set(v.split(",")), default=None,
+                   help="run these checks alone, comma-separated (decode needs load: name both)")
     a = p.parse_args(argv)
+    if a.only and a.only - {name for name, *_ in CHECKS}:
+        p.error(f"no such check: {', '.join(sorted(a.only - {n for n, *_ in CHECKS}))}")
     if not a.dry_run and not torch.cuda.is_available():
         print("no CUDA device here: run ./course.sh gpu-check --dry-run to walk the script")
         return 2
@@ -521,7 +525,9 @@ def main(argv=None) -> int:
     for name, fn, seconds, cuda, needs_model in CHECKS:
         t0 = time.monotonic()
         error = None
-        if cuda and ctx.dry:
+        if a.only and name not in a.only:
+            status, line, data = "SKIP", "not selected (--only)", {}
+        elif cuda and ctx.dry:
             status, line, data = "SKIP", "dry run: needs CUDA", {}
         elif needs_model and ctx.model is None:
             status, line, data = "SKIP", "needs the model, which did not load", {}
