@@ -36,25 +36,20 @@ def floor_whole_embedding(config, dtype, context, bandwidth):  # reads an untied
     return nb06.decode_floor_ms_solution(config, dtype, context, bandwidth) + extra_ms
 
 
-def card_uncapped(config, dtype, card, cache):  # forgets the model's positions
-    plan = nb06.plan_budget(config, dtype, card.memory, prefill_chunk=nb06.PREFILL_CHUNK,
-                            cache=cache)
-    return plan.max_context, card.predicted_ms_per_token(config, dtype, plan.max_context, cache)
+def need_no_workspace(config, dtype, context, ms, cache):  # weights and KV only
+    _, bandwidth = nb06.card_needed_solution(config, dtype, context, ms, cache)
+    parts = nb06.plan_budget(config, dtype, nb06.GIB, cache=cache).breakdown(context)
+    return parts["weights"] + parts["kv"], bandwidth
 
 
-def card_cat_without_copy(config, dtype, card, cache):  # prices a cat step as a prealloc one
-    context, _ = nb06.predict_card_solution(config, dtype, card, cache)
-    return context, card.predicted_ms_per_token(config, dtype, context, "prealloc")
+def need_cat_without_copy(config, dtype, context, ms, cache):  # prices a cat step as prealloc's
+    memory, _ = nb06.card_needed_solution(config, dtype, context, ms, cache)
+    return memory, nb06.card_needed_solution(config, dtype, context, ms, "prealloc")[1]
 
 
-def card_in_seconds(config, dtype, card, cache):
-    context, ms = nb06.predict_card_solution(config, dtype, card, cache)
-    return context, ms / 1e3
-
-
-def card_prealloc_plan_for_cat(config, dtype, card, cache):  # one plan for both caches
-    context, ms = nb06.predict_card_solution(config, dtype, card, "prealloc")
-    return context, card.predicted_ms_per_token(config, dtype, context, cache)
+def need_ms_as_seconds(config, dtype, context, ms, cache):
+    memory, bandwidth = nb06.card_needed_solution(config, dtype, context, ms, cache)
+    return memory, bandwidth / 1e3
 
 
 CASES = [
@@ -62,11 +57,11 @@ CASES = [
      [longest_no_batch, longest_fixed_workspace, longest_no_workspace]),
     (nb06.check_decode_floor, nb06.decode_floor_ms_solution,
      [floor_in_seconds, floor_weights_only, floor_whole_embedding]),
-    (nb06.check_predict_card, nb06.predict_card_solution,
-     [card_uncapped, card_cat_without_copy, card_in_seconds, card_prealloc_plan_for_cat]),
+    (nb06.check_card_needed, nb06.card_needed_solution,
+     [need_no_workspace, need_cat_without_copy, need_ms_as_seconds]),
 ]
 
-test_check = check_tests(nb06, CASES)
+test_check = check_tests(nb06, CASES, notes={nb06.check_card_needed: "meet both"})
 
 
 def test_the_asked_case_is_first_and_fits():
@@ -75,16 +70,17 @@ def test_the_asked_case_is_first_and_fits():
     assert nb06.longest_context_solution(nb06.load_config(name), dtype, batch, gib * nb06.GIB) > 0
 
 
-def test_the_new_cards_are_new_and_each_limit_is_met():
-    """No card of the exercise is in the notebook's table, and its cases meet both limits: the
-    model's positions (the L4) and memory (the 8 GB card)."""
+def test_the_card_needed_is_the_least_that_holds_the_context():
+    """The memory is exact: the plan reaches the context with it and not with one byte less. The
+    asked case is first, and its cards split: some meet both numbers, some only the memory."""
+    assert nb06.NEEDED_CASES[0][:2] == ("qwen3-4b", nb06.torch.bfloat16)
     assert not set(nb06.NEW_CARDS) & set(CARDS)
-    name, _, card, cache = nb06.PREDICT_CASES[0]
-    assert (name, card, cache) == ("qwen3-4b", "L4", "prealloc")
-    limits = set()
-    for name, dtype, card, cache in nb06.PREDICT_CASES:
+    for name, dtype, context, ms, cache in nb06.NEEDED_CASES:
         config = nb06.load_config(name)
-        context, _ = nb06.predict_card_solution(config, dtype, nb06.NEW_CARDS[card], cache)
-        limits.add("window" if context == config.max_position_embeddings else "memory")
-        assert context > 0
-    assert limits == {"window", "memory"}
+        memory, _ = nb06.card_needed_solution(config, dtype, context, ms, cache)
+
+        def longest(budget, config=config, dtype=dtype, cache=cache):
+            return nb06.plan_budget(config, dtype, budget, cache=cache).max_context
+
+        assert longest(memory) >= context > longest(memory - 1)
+    assert nb06.NEEDED_CASES[0][2] == nb06.load_config("qwen3-4b").max_position_embeddings
