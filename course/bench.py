@@ -54,8 +54,6 @@ class _Clock(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-
-
 def ms_per_token(model, prompt, kind: str, steps: int, chunk: int) -> float:
     """Median decode-step time, in ms, after ``prompt``: the prefill is not counted."""
     if kind in METERED:
@@ -110,9 +108,8 @@ def _runs(model, kind: str, n: int, chunk: int) -> dict:
         fits = False
     stats = memory_stats(device)
     free(device)
-    return {"tokens": n, "fits": fits, "allocated_before": before,
-            "peak_allocated": stats.get("peak_allocated"),
-            "peak_reserved": stats.get("peak_reserved"), "grown": grown}
+    return {"tokens": n, "fits": fits, "allocated_before": before, "grown": grown,
+            **{k: stats.get(k) for k in ("peak_allocated", "peak_reserved")}}
 
 
 def longest_context(model, budget: int, chunk: int) -> dict:
