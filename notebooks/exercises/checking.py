@@ -36,16 +36,44 @@ class _Wrong(Exception):
     """An expectation failed; the message is the verdict."""
 
 
-def attempt(fn, *args):
+class _Hidden(Exception):
+    """The learner's function called a helper the exercise asks them to build."""
+
+
+def attempt(fn, *args, hide: tuple = ()):
     """``fn(*args)``, where a ``NotImplementedError`` ends the check as not attempted.
 
     Only the learner's call is guarded: a ``NotImplementedError`` from the check's own code (the
     ``meta`` device raises it for ops it cannot run) stays a bug to see, not a verdict.
+
+    ``hide``: ``(owner, name)`` pairs, helpers the exercise asks the learner to build rather than
+    call. During the call each is replaced, on its owner (a module or class) and among the names
+    ``fn`` sees, by one that ends the check saying so.
     """
+    undo = []
+    for owner, name in hide:
+        original = getattr(owner, name)
+
+        def refuse(*_, name=name, **__):
+            raise _Hidden(name)
+
+        setattr(owner, name, refuse)
+        undo.append(lambda owner=owner, name=name, original=original:
+                    setattr(owner, name, original))
+        for key in [key for key, value in fn.__globals__.items() if value is original]:
+            fn.__globals__[key] = refuse
+            undo.append(lambda key=key, original=original:
+                        fn.__globals__.__setitem__(key, original))
     try:
         return fn(*args)
     except NotImplementedError:
         raise _NotAttempted from None
+    except _Hidden as hidden:
+        raise _Wrong(f"This exercise builds what `{hidden}` does: your function called it. Write "
+                     f"it from the pieces the exercise names.") from None
+    finally:
+        for restore in reversed(undo):
+            restore()
 
 
 def expect(ok: bool, message: str, hint: str = "") -> None:
