@@ -48,10 +48,13 @@ def attempt(fn, *args, hide: tuple = ()):
 
     ``hide``: ``(owner, name)`` pairs, helpers the exercise asks the learner to build rather than
     call. During the call each is replaced, on its owner (a module or class) and among the names
-    ``fn`` sees, by one that ends the check saying so.
+    ``fn`` sees, by one that ends the check saying so; a module's own names stay as they are for
+    a function defined in it.
     """
-    undo = []
+    undo, seen = [], getattr(fn, "__globals__", {})
     for owner, name in hide:
+        if seen is getattr(owner, "__dict__", None):
+            continue  # a module's own functions (the reference solutions) are not hidden from it
         original = getattr(owner, name)
 
         def refuse(*_, name=name, **__):
@@ -60,10 +63,9 @@ def attempt(fn, *args, hide: tuple = ()):
         setattr(owner, name, refuse)
         undo.append(lambda owner=owner, name=name, original=original:
                     setattr(owner, name, original))
-        for key in [key for key, value in fn.__globals__.items() if value is original]:
-            fn.__globals__[key] = refuse
-            undo.append(lambda key=key, original=original:
-                        fn.__globals__.__setitem__(key, original))
+        for key in [key for key, value in seen.items() if value is original]:
+            seen[key] = refuse
+            undo.append(lambda key=key, original=original: seen.__setitem__(key, original))
     try:
         return fn(*args)
     except NotImplementedError:
