@@ -165,9 +165,8 @@ def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=
     }
     jobs = [(c, r) for c in contexts for r in range(rounds)]
     for c, r in tqdm(jobs, desc="decode", file=sys.stderr, disable=not progress):
-        if r == 0:
-            for k in CACHES:
-                res["caches"][k]["rounds_ms"].append([])
+        for k in CACHES if r == 0 else ():
+            res["caches"][k]["rounds_ms"].append([])
         for k in CACHES[r % len(CACHES):] + CACHES[:r % len(CACHES)]:
             free(device)
             try:  # an OOM is recorded as missing, never guessed
@@ -187,11 +186,9 @@ def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=
                     v["cache_bytes_per_step"].append(None)
     bw = measure_bandwidth(device)
     floor = [1e3 * floor_s_per_token(decode_bytes(config, dtype, c), bw) for c in contexts]
-    res["bandwidth"] = {
-        "bytes_per_s": bw, "floor_ms": floor,
-        "mbu": {k: [None if m is None else f / m for f, m in zip(floor, v["ms_per_token"])]
-                for k, v in res["caches"].items()},
-    }
+    res["bandwidth"] = {"bytes_per_s": bw, "floor_ms": floor, "mbu": {
+        k: [None if m is None else f / m for f, m in zip(floor, v["ms_per_token"])]
+        for k, v in res["caches"].items()}}
     if on_gpu:
         c, graph_ms = contexts[-1], None
         try:  # a failed capture is reported, not fatal: the rest of the run still counts
@@ -202,8 +199,8 @@ def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=
         except RuntimeError as e:  # torch.OutOfMemoryError included
             res["cuda_graph_error"] = str(e).splitlines()[0]
         free(device)
-        eager_ms = res["caches"]["prealloc"]["ms_per_token"][-1]
-        res["cuda_graph"] = {"context": c, "eager_ms": eager_ms, "graph_ms": graph_ms}
+        res["cuda_graph"] = {"context": c, "graph_ms": graph_ms,
+                             "eager_ms": res["caches"]["prealloc"]["ms_per_token"][-1]}
         res["longest"] = longest_context(model, allocator_budget(device, cap), chunk)
         res["memory"] = memory_stats(device)
     return res
@@ -239,13 +236,15 @@ def figures(res: dict, out: Path) -> None:
 
 
 def verdicts(res: dict, base: str = "prealloc") -> list[str]:
-    """``base`` against every other cache at each context, said only where the spreads part."""
-    out = []
+    """``base`` against every other cache at each context, said only where the spreads part (a
+    cache measured in fewer than two rounds, the others out of memory, has no spread)."""
+    out, caches = [], res["caches"]
     for i, c in enumerate(res["contexts"]):
-        ours = res["caches"][base]["spread_ms"][i]
-        for k, v in res["caches"].items():
+        ours = caches[base]["spread_ms"][i]
+        for k, v in caches.items():
             theirs = v["spread_ms"][i]
-            if k == base or ours is None or theirs is None:
+            spread = all(len(x["rounds_ms"][i]) > 1 for x in (caches[base], v) if "rounds_ms" in x)
+            if k == base or ours is None or theirs is None or not spread:
                 continue
             if ours[1] < theirs[0]:
                 word = "faster than"
@@ -262,12 +261,13 @@ def table(res: dict) -> str:
     head = "| cache | " + " | ".join(f"{c} tokens" for c in res["contexts"]) + " |"
     rows = [head, "|---" * (len(res["contexts"]) + 1) + "|"]
     for k, v in res["caches"].items():
-        cells = ["—" if ms is None else f"{ms:.1f} ({spread[0]:.1f}–{spread[1]:.1f})"
-                 for ms, spread in zip(v["ms_per_token"], v["spread_ms"])]
+        cells = [("—" if ms is None else f"{ms:.1f} ({sp[0]:.1f}–{sp[1]:.1f})")
+                 + (f", {len(n)} of {res['rounds']} rounds" if 0 < len(n) < res["rounds"] else "")
+                 for ms, sp, n in zip(v["ms_per_token"], v["spread_ms"], v["rounds_ms"])]
         rows.append(f"| {k} | " + " | ".join(cells) + " |")
     how = (f"Median of {res['rounds']} rounds of {res['steps']} decode steps (each round's median "
            "step), the min–max of the rounds in brackets; the caches in a rotated order each "
-           "round.")
+           "round. A round out of memory counts for nothing; —: out of memory in every round.")
     return (f"ms per decode step, {res['model']}, {res['label']}\n\n" + "\n".join(rows) + "\n\n"
             + how + "\n\n" + "".join(f"- {v}\n" for v in verdicts(res)))
 

@@ -69,3 +69,7 @@ def test_a_verdict_is_said_only_where_the_spreads_part():
         "2048 tokens: prealloc is within the spread of cat",
         "2048 tokens: prealloc is faster than hf_static",
     ]
+    caches["cat"]["rounds_ms"] = [[12, 13], [11], [5, 6]]  # one round at 2048: no spread
+    caches["prealloc"]["rounds_ms"] = caches["hf_static"]["rounds_ms"] = [[0, 0]] * 3
+    assert "2048 tokens: prealloc is within the spread of cat" not in verdicts(res)
+    assert "512 tokens: prealloc is faster than cat" in verdicts(res)
