@@ -58,6 +58,11 @@ def need_no_workspace(config, dtype, context, ms, cache):  # weights and KV only
     return nb06.weight_bytes(config, dtype) + kv, bandwidth
 
 
+def need_prealloc_workspace(config, dtype, context, ms, cache):  # one workspace for both caches
+    _, bandwidth = NEEDED(config, dtype, context, ms, cache)
+    return NEEDED(config, dtype, context, ms, "prealloc")[0], bandwidth
+
+
 def need_cat_without_copy(config, dtype, context, ms, cache):  # prices a cat step as prealloc's
     memory, _ = NEEDED(config, dtype, context, ms, cache)
     return memory, NEEDED(config, dtype, context, ms, "prealloc")[1]
@@ -74,7 +79,8 @@ CASES = [
     (nb06.check_decode_floor, nb06.decode_floor_ms_solution,
      [floor_in_seconds, floor_weights_only, floor_whole_embedding]),
     (nb06.check_card_needed, nb06.card_needed_solution,
-     [need_no_workspace, need_cat_without_copy, need_ms_as_seconds]),
+     [need_no_workspace, need_prealloc_workspace, need_cat_without_copy,
+      need_ms_as_seconds]),
 ]
 
 test_check = check_tests(nb06, CASES, notes={nb06.check_card_needed: "meet both"})

@@ -176,6 +176,7 @@ NEW_CARDS = {
 NEEDED_CASES = [  # (config, dtype, context, ms per token, cache): the asked one first
     ("qwen3-4b", torch.bfloat16, 40960, 25.0, "prealloc"),  # its whole window
     ("qwen3-4b", torch.bfloat16, 40960, 25.0, "cat"),  # the same memory, more bytes per step
+    ("qwen3-4b", torch.bfloat16, 30000, 40.0, "cat"),  # a partial last chunk: cat's own workspace
     ("llama-3.2-3b", torch.float16, 8192, 10.0, "prealloc"),
     ("qwen2.5-3b", torch.bfloat16, 32768, 30.0, "cat"),
     ("smollm2-135m", torch.float32, 8192, 2.0, "cat"),
