@@ -205,10 +205,11 @@ def check_card_needed(fn) -> str:
         expect(got_memory is not None and abs(got_memory - least) <= SLACK,
                f"{case}: you said {got_memory} B of memory; the plan needs {least:,} B = weights "
                f"{parts['weights']:,} + KV {parts['kv']:,} + workspace {parts['workspace']:,}.",
-               hint(got_memory, {
-                   parts["weights"] + parts["kv"]: "Hint: the workspace too, which grows with "
-                                                   "the context (a prefill chunk's mask).",
-                   int(least / GIB): "Hint: bytes, not GiB."}))
+               next((f" {text}" for wrong, text in (
+                   (parts["weights"] + parts["kv"], "Hint: the workspace too, which grows with the "
+                                                    "context (a prefill chunk's mask)."),
+                   (least / GIB, "Hint: bytes, not GiB."))
+                   if got_memory is not None and abs(got_memory - wrong) <= SLACK), ""))
         moved = step_bytes(config, dtype, context, cache)
         need = moved / (ms / 1e3)
         known = {1e3 * need: "Hint: ms is thousandths of a second.",
