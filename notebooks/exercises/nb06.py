@@ -229,4 +229,5 @@ def check_card_needed(fn) -> str:
     return (f"{name}'s whole window at {ms:g} ms/token ({cache}) needs {memory / GIB:.2f} GiB and "
             f"{need / 1e9:.0f} GB/s. Cards of the table and the three above that meet both: "
             f"{', '.join(both) or 'none'}; with the memory but too slow: "
-            f"{', '.join(roomy) or 'none'} (a PREDICTION from the sheets' numbers).")
+            f"{', '.join(roomy) or 'none'} (a PREDICTION from the sheets' numbers, and a floor: "
+            f"the H200 reference ran its steps far above it).")
