@@ -54,7 +54,7 @@ from kvlib.memory import (  # noqa: E402
 from kvlib.timing import StepTimer  # noqa: E402
 
 MODEL, BUDGET_GIB, CONTEXT, NEW, CHUNK = "random:qwen3-4b", 12, 8192, 32, 512
-TIE = 2  # bf16 steps between the top two logits: a tie, where two kernels may disagree
+TIE = 2  # steps of the dtype between the top two logits: a tie, where kernels may disagree
 LIMIT_S = 8 * 60
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
@@ -280,7 +280,7 @@ def decode(ctx):
     # The graph replays the static step's very kernels: its tokens must be the static step's. The
     # static step reads a masked, bucketed span where eager reads exactly t slots, through another
     # kernel: bf16 rounding may differ, and on random weights two logits can tie. So eager may part
-    # from them only where its top two logits lie within TIE bf16 steps, a tie in the model's dtype.
+    # from them only where its top two logits lie within TIE steps of the model's dtype: a tie.
     ok = tokens["graph"] == tokens["static"]
     i = next((i for i, (a, b) in enumerate(zip(tokens["eager"], tokens["static"])) if a != b), None)
     if i is None:
@@ -353,8 +353,8 @@ def judge(res: dict, config, dtype) -> tuple[str, str, dict]:
     the check is that the plan's bytes are the card's: at the longest prealloc that fits, what the
     run allocated on top of what was held before it is at least the plan's KV and at most its KV
     plus workspace (the workspace is priced for the kernel that needs most). What was held beyond
-    the weights before the run (libraries' workspaces) and what the allocator reserved beyond what
-    was allocated are reported: they are why a card stops short of the plan."""
+    the weights before the run (what libraries keep, not yet identified) and what the allocator
+    reserved beyond what was allocated are reported: they are why a card stops short of the plan."""
     budget = res["budget"]
     fit = next(t for t in res["tries"]["prealloc"] if t["tokens"] == res["prealloc"] and t["fits"])
     plan = plan_budget(config, dtype, budget, prefill_chunk=CHUNK)
