@@ -22,12 +22,14 @@ from matplotlib.text import Text
 from kvlib.budget import Budget
 from kvlib.config import GIB, MIB
 
-__all__ = ["FIGURES", "against_floor", "budget_bar", "bytes_per_step", "cumulative_bytes", "load",
-           "memory_vs_tokens", "save", "time_per_step"]
+__all__ = ["FIGURES", "against_floor", "budget_bar", "bytes_per_step", "cumulative_bytes",
+           "gpu_reference", "load", "memory_vs_tokens", "save", "time_per_step"]
 
 # The repo's figures/, found from the package, so notebooks/ and the repo root agree.
 FIGURES = Path(__file__).resolve().parent.parent / "figures"
 REGENERATE = "python -m course.bench --out figures"
+# Where committed GPU runs sit: the bench's own --out, then the GPU check's (./course.sh gpu-check).
+GPU_FOLDERS = (FIGURES, FIGURES / "h200")
 
 
 def _figure(title: str, label: str, xlabel: str, ylabel: str, size=(7.0, 4.0)):
@@ -212,3 +214,17 @@ def load(name: str, directory: str | Path = FIGURES) -> tuple[dict, str]:
         raise FileNotFoundError(f"no reference figure at {path}; regenerate with: {REGENERATE}")
     stored = json.loads(path.read_text())
     return stored["data"], stored["label"]
+
+
+def gpu_reference(name: str) -> tuple[dict, str, Path] | None:
+    """``(data, label, folder)`` of figure ``name`` from the first committed run made on a GPU, or
+    None. A reference figure of the machine its label names, never of the reader's own run: a
+    notebook prints the label beside every number it takes from it."""
+    for folder in GPU_FOLDERS:
+        try:
+            data, label = load(name, folder)
+        except FileNotFoundError:
+            continue
+        if "NVIDIA" in label or str(data.get("device", {}).get("device", "")).startswith("cuda"):
+            return data, label, folder
+    return None

@@ -2,7 +2,9 @@
 call runs, what it allocates on the simulated card, and the bandwidth floor of a decode step.
 
 Sheets write memory in "GB", but chips come in binary sizes, so ``memory`` reads the GB as GiB:
-the ceiling. Bandwidth is decimal. Compute capabilities: https://developer.nvidia.com/cuda-gpus.
+the ceiling. A GDDR card with ECC on stores its check bits in that memory and shows less of it (a
+T4, ECC on by default: 15 of its 16 GiB); HBM keeps them aside. Bandwidth is decimal.
+Compute capabilities: https://developer.nvidia.com/cuda-gpus.
 """
 
 from dataclasses import dataclass
@@ -27,10 +29,12 @@ class Card:
     sm: float  # compute capability: picks the attention kernels
     bandwidth: float  # bytes/s, decimal
     source: str
+    ecc_share: float = 0.0  # of the memory held for ECC check bits, out of the programs' reach
 
     @property
     def memory(self) -> int:
-        return int(self.memory_gb * GIB)
+        """Bytes the programs can have: the sheet's GB read as GiB, less what ECC holds."""
+        return int(self.memory_gb * GIB * (1 - self.ecc_share))
 
     def predicted_ms_per_token(self, config: PretrainedConfig, dtype: torch.dtype, context: int,
                                cache: str = "prealloc") -> float:
@@ -43,7 +47,8 @@ _A100 = ("https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pd
          "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf")
 CARDS = {c.name: c for c in (
     Card("T4", 16, 7.5, 320e9, "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/"
-         "tesla-t4/t4-tensor-core-datasheet-951643.pdf (16 GB GDDR6, 320+ GB/s)"),
+         "tesla-t4/t4-tensor-core-datasheet-951643.pdf (16 GB GDDR6, 320+ GB/s); ECC on, as on "
+         "Colab, holds 1/16", ecc_share=1 / 16),
     Card("RTX 3060", 12, 8.6, 360e9, "https://www.nvidia.com/en-us/geforce/graphics-cards/"
          "30-series/rtx-3060-3060ti/ (12 GB GDDR6, 192-bit at 15 Gbps: 360 GB/s)"),
     Card("RTX 4070", 12, 8.9, 504e9, "https://www.nvidia.com/en-us/geforce/graphics-cards/"

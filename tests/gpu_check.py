@@ -316,7 +316,7 @@ def graph_memory(ctx):
         del step
         free(device)
         rows.append({"round": i, "allocated": torch.cuda.memory_allocated(device),
-                     "reserved": torch.cuda.memory_reserved(device), **added})
+                     "reserved": torch.cuda.memory_reserved(device), "capture_added": added})
     step = StaticStep(model, cache, bucket=256)
     for pos in (CONTEXT, CONTEXT + 256, CONTEXT + 512):  # three buckets, three graphs kept
         step(token, pos)

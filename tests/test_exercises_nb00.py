@@ -5,28 +5,57 @@ from exercises import nb00
 from helpers import check_tests
 
 from kvlib.budget import plan_budget
-from kvlib.config import GIB, load_config
+from kvlib.config import GIB, head_dim, kv_bytes_per_token, load_config
+
+
+def _per_token(config, dtype):  # K and V of one token, all layers: built here, not called
+    L, Hkv = config.num_hidden_layers, config.num_key_value_heads
+    return 2 * L * Hkv * head_dim(config) * dtype.itemsize
 
 
 def one_sequence(config, dtype, batch, context):  # forgets the batch
-    return nb00.batch_kv_bytes_solution(config, dtype, 1, context)
+    return context * _per_token(config, dtype)
 
 
 def k_only(config, dtype, batch, context):  # forgets V
-    return nb00.batch_kv_bytes_solution(config, dtype, batch, context) // 2
+    return batch * context * _per_token(config, dtype) // 2
 
 
 def query_heads(config, dtype, batch, context):  # caches every query head
     group = config.num_attention_heads // config.num_key_value_heads
-    return group * nb00.batch_kv_bytes_solution(config, dtype, batch, context)
+    return group * batch * context * _per_token(config, dtype)
 
 
-def llama_fp32():  # a T4 does not run fp32 here
-    return plan_budget(load_config("llama-3.2-3b"), torch.float32, 15 * GIB).max_context
+def calls_the_helper(config, dtype, batch, context):  # what exercise 1 asks the learner to build
+    return batch * context * kv_bytes_per_token(config, dtype)
 
 
-def llama_16gib():
-    return plan_budget(load_config("llama-3.2-3b"), torch.float16, 16 * GIB).max_context
+LLAMA = load_config("llama-3.2-3b")
+KV = _per_token(LLAMA, torch.float16)
+COLUMN = 2 * (LLAMA.num_attention_heads // LLAMA.num_key_value_heads) * 512 * 2 + 8
+AT_12, AT_15 = (plan_budget(LLAMA, torch.float16, g * GIB).max_context for g in (12, 15))
+
+
+def kv_alone():  # forgets that the workspace grows with the context
+    return 3 * GIB // KV
+
+
+def in_fp32():  # a T4 runs fp16
+    return 3 * GIB // (2 * KV + 2 * COLUMN)
+
+
+def in_gb():  # 3 GB, not 3 GiB
+    return 3 * 10**9 // (KV + COLUMN)
+
+
+def whole_context():  # the T4's whole context, not what the 3 GiB add
+    return AT_15
+
+
+def asks_the_plan():  # what exercise 2 asks the learner to predict
+    config = load_config("llama-3.2-3b")
+    return (plan_budget(config, torch.float16, 15 * GIB).max_context
+            - plan_budget(config, torch.float16, 12 * GIB).max_context)
 
 
 class NeverRefuses(nb00.CappedCatCacheSolution):
@@ -66,16 +95,43 @@ class CountsTokens(nb00.CappedCatCacheSolution):  # whole tokens: refuses a chun
 
 CASES = [
     (nb00.check_batch_kv_bytes, nb00.batch_kv_bytes_solution, [one_sequence, k_only, query_heads]),
-    (nb00.check_llama_on_t4, nb00.llama_on_t4_solution, [llama_fp32, llama_16gib, lambda: 1]),
+    (nb00.check_extra_tokens_on_t4, nb00.extra_tokens_on_t4_solution,
+     [kv_alone, in_fp32, in_gb, whole_context, lambda: 1]),
     (nb00.check_capped_cache, nb00.CappedCatCacheSolution,
      [NeverRefuses, RefusesAtTheBudget, WritesFirst, NoNumbers, CountsTokens]),
 ]
 
-test_check = check_tests(nb00, CASES, notes={nb00.check_batch_kv_bytes: "4 conversations"})
+test_check = check_tests(nb00, CASES, notes={nb00.check_batch_kv_bytes: "4 conversations",
+                                             nb00.check_extra_tokens_on_t4: "79,965"})
+
+
+def test_hidden_helpers(capsys):
+    """A learner's function that calls what the exercise builds is told so, and the helpers are
+    back once the check is done."""
+    nb00.check_batch_kv_bytes(calls_the_helper)
+    assert "`kv_bytes_per_token`" in capsys.readouterr().out
+    nb00.check_extra_tokens_on_t4(asks_the_plan)
+    assert "`plan_budget`" in capsys.readouterr().out
+    assert calls_the_helper(LLAMA, torch.float16, 1, 1) == KV  # restored
+    assert asks_the_plan() == AT_15 - AT_12
+
+
+def test_wrong_answers_get_their_hint(capsys):
+    """A prediction lands near a known mistake, not on it: the hint must still find it."""
+    for wrong, words in ((kv_alone, "KV alone"), (in_fp32, "fp32"), (in_gb, "2^30"),
+                         (whole_context, "MORE"), (lambda: kv_alone() + 50, "KV alone")):
+        nb00.check_extra_tokens_on_t4(wrong)
+        assert words in capsys.readouterr().out
+
+
+def test_solution_is_arithmetic_not_the_plan():
+    """Exercise 2's arithmetic lands within a few tokens of the plan (which counts whole chunks)."""
+    got, want = nb00.extra_tokens_on_t4_solution(), AT_15 - AT_12
+    assert abs(got - want) <= 8, (got, want)
 
 
 def test_t4_answer_is_bf16s():
-    """The point of exercise 2: fp16 and bf16 are the same size, so the same context."""
+    """fp16 and bf16 are the same size, so the same context."""
     config = load_config("llama-3.2-3b")
-    assert nb00.llama_on_t4_solution() == plan_budget(config, torch.float16, 15 * GIB).max_context \
+    assert nb00.llama_on_t4() == plan_budget(config, torch.float16, 15 * GIB).max_context \
         == plan_budget(config, torch.bfloat16, 15 * GIB).max_context

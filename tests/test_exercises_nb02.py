@@ -4,18 +4,20 @@ from exercises import nb02
 from helpers import check_tests
 
 
-# "at least" instead of "more than": one slot early when it divides
-def over_or_equal(config, dtype, limit):
-    per_token = nb02.step_bytes_solution(config, dtype, 0)
-    return -(-limit // per_token) - 1
+def _one_slot(config, dtype):  # one layer's K (or V) for one slot
+    return config.num_key_value_heads * nb02.head_dim(config) * dtype.itemsize
 
 
-def over_k_only(config, dtype, limit):  # counts K and forgets V: twice too far
-    return 2 * nb02.first_slot_over_solution(config, dtype, limit) + 1
+def peak_is_after(config, dtype, t):  # the cache after the step: forgets the old tensor alive
+    return 2 * config.num_hidden_layers * (t + 1) * _one_slot(config, dtype)
 
 
-def over_plus_one(config, dtype, limit):  # one slot late
-    return nb02.first_slot_over_solution(config, dtype, limit) + 1
+def peak_all_old(config, dtype, t):  # every old tensor alive to the end of the step
+    return 2 * config.num_hidden_layers * (2 * t + 1) * _one_slot(config, dtype)
+
+
+def peak_old_k_and_v(config, dtype, t):  # a layer's old K and V both alive at its last write
+    return nb02.step_peak_solution(config, dtype, t) + t * _one_slot(config, dtype)
 
 
 class GrowsByCat(nb02.DoublingCacheSolution):  # a cat cache: allocates at every step
@@ -61,10 +63,11 @@ class ViewsACopy(nb02.DoublingCacheSolution):
 
 
 CASES = [
-    (nb02.check_first_slot_over, nb02.first_slot_over_solution,
-     [over_or_equal, over_k_only, over_plus_one]),
+    (nb02.check_step_peak, nb02.step_peak_solution,
+     [peak_is_after, peak_all_old, peak_old_k_and_v]),
     (nb02.check_doubling_cache, nb02.DoublingCacheSolution,
      [GrowsByCat, GrowsBy16, ForgetsToCopy, ViewsTheCapacity, ViewsACopy]),
 ]
 
-test_check = check_tests(nb02, CASES, notes={nb02.check_doubling_cache: "grew"})
+test_check = check_tests(nb02, CASES, notes={nb02.check_doubling_cache: "grew",
+                                                 nb02.check_step_peak: "alive at the last write"})

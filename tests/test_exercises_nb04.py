@@ -10,6 +10,14 @@ def wrong_strides(max_seq, n_kv_heads, head_dim, layout):
     return (max_seq * head_dim, head_dim, 1)  # the head-major answer for both layouts
 
 
+def runs_ignore_heads(n_kv_heads, t, layout):  # misses that one KV head leaves no gaps
+    return t + 1 if layout == "seq" else 1
+
+
+def runs_swapped(n_kv_heads, t, layout):  # the write's runs, not the read's
+    return 1 if layout == "seq" else t + 1
+
+
 def _per_token(config, dtype):
     """(weights, cache bytes per token, one layer's repeat_kv copy per token), by hand."""
     d, size = nb04.head_dim(config), dtype.itemsize
@@ -69,6 +77,7 @@ def copying(q, k, v, t):  # right answer, but expands K/V with a copy
 
 CASES = [
     (nb04.check_view_strides, nb04.view_strides_solution, [wrong_strides]),
+    (nb04.check_read_runs, nb04.read_runs_solution, [runs_ignore_heads, runs_swapped]),
     (nb04.check_repeat_kv_limit, nb04.repeat_kv_limit_solution,
      [no_copy, every_layer_copy, kv_heads_copy, no_weights, off_by_one]),
     (nb04.check_chunk_attention, nb04.chunk_attention_solution,

@@ -3,23 +3,47 @@
 from exercises import nb05
 from helpers import check_tests
 
+from kvlib import KVCache
 from kvlib.config import kv_bytes_per_token
+from kvlib.graphs import StaticStep
 
 
-def uncapped(max_seq, bucket, t):  # forgets that the last span stops at max_seq
-    return (t // bucket + 1) * bucket, -(-max_seq // bucket)
+def floor_bucket(config, dtype, max_seq, max_graphs, limit):  # rounds down: one graph too many
+    bucket = max(1, max_seq // max_graphs)
+    masked = (min(bucket, max_seq) - 1) * kv_bytes_per_token(config, dtype)
+    return (bucket, masked) if masked <= limit else None
 
 
-def floor_graphs(max_seq, bucket, t):  # max_seq // bucket loses the last, partial bucket
-    return min(max_seq, (t // bucket + 1) * bucket), max_seq // bucket
+def whole_bucket_masked(config, dtype, max_seq, max_graphs, limit):  # counts the new slot too
+    bucket = -(-max_seq // max_graphs)
+    masked = min(bucket, max_seq) * kv_bytes_per_token(config, dtype)
+    return (bucket, masked) if masked <= limit else None
 
 
-def rounds_t(max_seq, bucket, t):  # rounds t up, not t + 1: reads 0 slots at t = 0
-    return min(max_seq, -(-t // bucket) * bucket), -(-max_seq // bucket)
+def _pick(config, dtype, max_seq, max_graphs):
+    # The right bucket and its bytes, written here: the check hides nb05's own solution.
+    bucket = -(-max_seq // max_graphs)
+    return bucket, (min(bucket, max_seq) - 1) * kv_bytes_per_token(config, dtype)
 
 
-def counts_new_slot_twice(max_seq, bucket, t):  # rounds t + 2 up: t = 255 reads 512
-    return min(max_seq, ((t + 1) // bucket + 1) * bucket), -(-max_seq // bucket)
+def strict_limit(config, dtype, max_seq, max_graphs, limit):  # < where the limit allows <=
+    bucket, masked = _pick(config, dtype, max_seq, max_graphs)
+    return (bucket, masked) if masked < limit else None
+
+
+def ignores_limit(config, dtype, max_seq, max_graphs, limit):  # never says no bucket fits
+    return _pick(config, dtype, max_seq, max_graphs)
+
+
+def biggest_bucket(config, dtype, max_seq, max_graphs, limit):  # fewest graphs, most masked
+    masked = (max_seq - 1) * kv_bytes_per_token(config, dtype)
+    return (max_seq, masked) if masked <= limit else None
+
+
+def calls_span(config, dtype, max_seq, max_graphs, limit):  # asks kvlib instead of building it
+    step = StaticStep(None, KVCache(1, max_seq, 1, 1, device="meta"), bucket=1, capture=False)
+    step.span(0)
+    return _pick(config, dtype, max_seq, max_graphs)
 
 
 def _spans(max_seq, bucket, t0, steps):
@@ -39,8 +63,9 @@ def new_slot_masked(config, dtype, max_seq, bucket, t0, steps):  # span - t: the
 
 
 def k_only(config, dtype, max_seq, bucket, t0, steps):  # counts K but not V
-    graphs, masked = nb05.trace_waste_solution(config, dtype, max_seq, bucket, t0, steps)
-    return graphs, masked // 2
+    spans = _spans(max_seq, bucket, t0, steps)
+    masked = sum(s - t - 1 for t, s in zip(range(t0, t0 + steps), spans))
+    return len(set(spans)), masked * kv_bytes_per_token(config, dtype) // 2
 
 
 def uncapped_trace(config, dtype, max_seq, bucket, t0, steps):  # the last span past max_seq
@@ -50,8 +75,8 @@ def uncapped_trace(config, dtype, max_seq, bucket, t0, steps):  # the last span 
 
 
 CASES = [
-    (nb05.check_bucket_plan, nb05.bucket_plan_solution,
-     [uncapped, floor_graphs, rounds_t, counts_new_slot_twice]),
+    (nb05.check_pick_bucket, nb05.pick_bucket_solution,
+     [floor_bucket, whole_bucket_masked, strict_limit, ignores_limit, biggest_bucket]),
     (nb05.check_trace_waste, nb05.trace_waste_solution,
      [every_graph, new_slot_masked, k_only, uncapped_trace]),
 ]
@@ -60,7 +85,16 @@ test_check = check_tests(nb05, CASES)
 
 
 def test_not_a_pair(capsys):
-    nb05.check_bucket_plan(lambda max_seq, bucket, t: 256)
+    nb05.check_pick_bucket(lambda config, dtype, max_seq, max_graphs, limit: 256)
     nb05.check_trace_waste(lambda config, dtype, max_seq, bucket, t0, steps: 3)
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and all("pair" in line for line in out), out
+
+
+def test_helpers_hidden(capsys):
+    """kvlib's span rule and the reference solutions are what the exercises build: hidden."""
+    nb05.check_pick_bucket(calls_span)
+    nb05.check_trace_waste(lambda *args: nb05.trace_waste_solution(*args))
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2, out
+    assert "`span`" in out[0] and "`trace_waste_solution`" in out[1], out

@@ -21,6 +21,7 @@ def _unhidden(fn):
 LONGEST = _unhidden(nb06.longest_context_solution)
 FLOOR = _unhidden(nb06.decode_floor_ms_solution)
 NEEDED = _unhidden(nb06.card_needed_solution)
+LOST = _unhidden(nb06.tokens_lost_solution)
 
 
 def longest_no_batch(config, dtype, batch, budget_bytes):  # KV priced for one sequence only
@@ -73,6 +74,18 @@ def need_ms_as_seconds(config, dtype, context, ms, cache):
     return memory, bandwidth / 1e3
 
 
+def lost_kv_only(config, dtype, budget_bytes, overhead_bytes):  # forgets the workspace shrinks
+    return overhead_bytes // nb06.kv_bytes_per_token(config, dtype)
+
+
+def lost_as_a_change(config, dtype, budget_bytes, overhead_bytes):  # the sign of a difference
+    return -LOST(config, dtype, budget_bytes, overhead_bytes)
+
+
+def lost_whole_budget(config, dtype, budget_bytes, overhead_bytes):  # the context left, not lost
+    return LONGEST(config, dtype, 1, budget_bytes - overhead_bytes)
+
+
 CASES = [
     (nb06.check_longest_context, nb06.longest_context_solution,
      [longest_no_batch, longest_fixed_workspace, longest_no_workspace]),
@@ -81,9 +94,12 @@ CASES = [
     (nb06.check_card_needed, nb06.card_needed_solution,
      [need_no_workspace, need_prealloc_workspace, need_cat_without_copy,
       need_ms_as_seconds]),
+    (nb06.check_tokens_lost, nb06.tokens_lost_solution,
+     [lost_kv_only, lost_as_a_change, lost_whole_budget]),
 ]
 
-test_check = check_tests(nb06, CASES, notes={nb06.check_card_needed: "meet both"})
+test_check = check_tests(nb06, CASES, notes={nb06.check_card_needed: "meet both",
+                                             nb06.check_tokens_lost: "KiB a token"})
 
 
 def test_the_asked_case_is_first_and_fits():
@@ -122,3 +138,14 @@ def test_a_helper_the_exercise_builds_is_hidden_while_the_check_runs(capsys):
     assert kvlib.budget.Budget.__name__ == "Budget"
     nb06.check_longest_context(nb06.longest_context_solution)  # the pieces are not hidden
     assert capsys.readouterr().out == "correct\n"
+
+
+def test_a_real_card_loses_fewer_tokens_than_its_overhead_in_kv():
+    """The workspace shrinks with the context, so each token freed gives back more than its KV."""
+    for name, dtype, gib, mib in nb06.LOST_CASES:
+        config = nb06.load_config(name)
+        lost = nb06.tokens_lost_solution(config, dtype, gib * nb06.GIB, mib * nb06.MIB)
+        assert 0 < lost <= mib * nb06.MIB // nb06.kv_bytes_per_token(config, dtype)
+        budget, taken = gib * nb06.GIB, mib * nb06.MIB
+        assert lost == (plan_budget(config, dtype, budget).max_context
+                        - plan_budget(config, dtype, budget - taken).max_context)

@@ -1,7 +1,12 @@
 """Notebook 07's exercise checks, and the wrong answers each must catch."""
 
+import pytest
+import torch
 from exercises import nb07
 from helpers import check_tests
+
+from kvlib.budget import plan_budget
+from kvlib.config import GIB, load_config
 
 
 def cow_never_copies(tables, refs, free, request, slot, block):  # writes into the shared block
@@ -85,3 +90,19 @@ CASES = [
 ]
 
 test_check = check_tests(nb07, CASES)
+
+
+@pytest.mark.parametrize("name, dtype, tp", nb07.TP_CASES)
+def test_kv_per_gpu_agrees_with_plan(name, dtype, tp):
+    """The solution, the notebook's table and plan_budget price a GPU's KV the same way."""
+    config = load_config(name)
+    assert nb07.kv_per_gpu_solution(config, dtype, tp) == plan_budget(config, dtype, 12 * GIB,
+                                                                        tp=tp).kv_per_token
+
+
+def test_kv_per_gpu_refuses_what_plan_refuses():
+    """SmolLM2's 9 query heads cannot be split over 2 GPUs: both say so, with the numbers."""
+    config = load_config("smollm2-135m")
+    for fn in (nb07.kv_per_gpu_solution, lambda c, d, tp: plan_budget(c, d, 12 * GIB, tp=tp)):
+        with pytest.raises(ValueError, match="tp=2 must divide the 9 query heads"):
+            fn(config, torch.float32, 2)

@@ -143,3 +143,18 @@ def test_load_missing_names_path_and_command(tmp_path):
         plots.load("nothing", directory=tmp_path)
     assert str(tmp_path / "nothing.json") in str(err.value)
     assert "python -m course.bench --out figures" in str(err.value)
+
+
+def test_a_gpu_reference_is_the_first_run_made_on_a_gpu(tmp_path, monkeypatch):
+    """A CPU run in the first folder is passed over; a GPU run in the next is found, with its
+    label and folder; no GPU run at all gives None, never a CPU figure posing as one."""
+    cpu, gpu = tmp_path / "cpu", tmp_path / "gpu"
+    fig = plots.time_per_step({"a": ([1], [1.0])}, LABEL)
+    plots.save(fig, "bench", {"device": {"device": "cpu"}}, LABEL, directory=cpu)
+    monkeypatch.setattr(plots, "GPU_FOLDERS", (cpu, gpu))
+    assert plots.gpu_reference("bench") is None
+    h200 = "NVIDIA H200 · allocator capped at 12 GiB"
+    plots.save(plots.time_per_step({"a": ([1], [1.0])}, h200), "bench", {"ms": 2}, h200,
+               directory=gpu)
+    assert plots.gpu_reference("bench") == ({"ms": 2}, h200, gpu)
+    assert plots.gpu_reference("gpu_longest") is None

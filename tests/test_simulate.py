@@ -196,6 +196,7 @@ def test_cards_cite_their_sheets_and_read_gb_as_gib():
     assert len(CARDS) == 8 and all(c.source for c in CARDS.values())
     assert card("12 GiB").memory == 12 * GIB and card("A100 80GB").bandwidth == 2039e9
     assert card("T4").sm < 8.0 <= card("RTX 3060").sm and card(card("T4")) is card("T4")
+    assert card("T4").memory_gb == 16 and card("T4").memory == 15 * GIB  # ECC holds 1/16
     with pytest.raises(ValueError, match="RTX 3060"):
         card("RTX 9090")
 

@@ -6,15 +6,36 @@ every machine.
 
 from __future__ import annotations
 
+import sys
 from functools import cache
 
 import torch
 
 from kvlib import CatCache
+from kvlib import budget as kv_budget
+from kvlib import cache as kv_cache
+from kvlib import config as kv_config
 from kvlib.budget import meta_model, plan_budget, weight_bytes
 from kvlib.config import GIB, head_dim, load_config
 
 from .checking import attempt, check, expect, hint
+
+# What each exercise builds, hidden from the learner's function while a check calls it.
+# The reference solutions are hidden too: the notebook imports this module.
+_HERE = sys.modules[__name__]
+PLAN = ((kv_budget, "plan_budget"), (kv_budget, "Budget"))
+KV_BYTES = PLAN + ((kv_config, "kv_bytes_per_token"), (kv_config, "kv_token_bytes"),
+                   (kv_budget, "kv_bytes_per_token"), (kv_cache, "kv_token_bytes"),
+                   (kv_cache, "bytes_per_token"), (_HERE, "batch_kv_bytes_solution"))
+EXTRA = PLAN + ((_HERE, "extra_tokens_on_t4_solution"), (_HERE, "llama_on_t4"))
+
+
+def _near(got, known: dict, share: float = 0.01) -> str:
+    """The hint of the first known wrong answer within ``share`` of ``got``: a prediction by
+    arithmetic lands near a wrong answer, not on it."""
+    return next((f" {text}" for wrong, text in known.items()
+                 if abs(got - wrong) <= share * wrong), "")
+
 
 # --- 1. the KV bytes of a batch -----------------------------------------------------------
 
@@ -50,7 +71,7 @@ def check_batch_kv_bytes(fn) -> str:
     """``fn(config, dtype, batch, context)`` -> bytes of the K and V ``transformers`` keeps."""
     for name, dtype, batch, context in BATCH_CASES:
         config = load_config(name)
-        got = attempt(fn, config, dtype, batch, context)
+        got = attempt(fn, config, dtype, batch, context, hide=KV_BYTES)
         want = _transformers_kv_bytes(name, dtype, batch, context)
         one = want // (batch * context)
         expect(got == want,
@@ -65,37 +86,62 @@ def check_batch_kv_bytes(fn) -> str:
                }))
     config = load_config("qwen3-4b")
     room = 12 * GIB - weight_bytes(config, torch.bfloat16)
-    each = room // attempt(fn, config, torch.bfloat16, 4, 1)
+    each = room // attempt(fn, config, torch.bfloat16, 4, 1, hide=KV_BYTES)
     planned = plan_budget(config, torch.bfloat16, 12 * GIB, batch=4).max_context
     return (f"so 4 conversations of Qwen3-4B in bf16 share 12 GiB at {each:,} tokens each "
             f"(weights and KV only; with the workspace, plan_budget(..., batch=4) says "
             f"{planned:,})")
 
 
-# --- 2. Llama-3.2-3B on a Colab T4 -------------------------------------------------------
+# --- 2. three more GiB on a Colab T4 ------------------------------------------------------
 
 T4_BUDGET = 15 * GIB  # what the exercise plans against (Colab's T4 shows about 15 GiB)
+CHUNK = 512  # kvlib's prefill chunk: the workspace's mask has this many rows per query head
 
 
-def llama_on_t4_solution() -> int:
-    """A T4 (capability 7.5) runs fp16: 2 bytes, like bf16, so the answer is bf16's."""
+def extra_tokens_on_t4_solution() -> int:
+    """A T4 runs fp16: 2 bytes, like bf16. Each more token of context costs its K and V in every
+    layer, and its column of the workspace: the chunk's mask ``[group * 512, S]`` and the fused
+    kernel's padded copy of it (``2 * group * 512 * 2`` bytes), and its id (int64, 8 bytes)."""
+    config = load_config("llama-3.2-3b")
+    e = torch.float16.itemsize
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * e
+    group = config.num_attention_heads // config.num_key_value_heads
+    return (T4_BUDGET - 12 * GIB) // (kv + 2 * group * CHUNK * e + 8)
+
+
+def llama_on_t4() -> int:
+    """plan_budget's longest context of Llama-3.2-3B on a T4 (fp16, 15 GiB)."""
     return plan_budget(load_config("llama-3.2-3b"), torch.float16, T4_BUDGET).max_context
 
 
 @check
-def check_llama_on_t4(fn) -> None:
-    """``fn()`` -> the longest context of Llama-3.2-3B that fits 15 GiB on a T4."""
-    got = attempt(fn)
-    want = llama_on_t4_solution()
+def check_extra_tokens_on_t4(fn) -> str:
+    """``fn()`` -> how many more tokens of Llama-3.2-3B fit 15 GiB than 12, by arithmetic."""
+    got = attempt(fn, hide=EXTRA)
     config = load_config("llama-3.2-3b")
-    expect(got == want, f"you returned {got}, expected {want}:", hint(got, {
-        plan_budget(config, torch.float32, T4_BUDGET).max_context:
-            "that is the fp32 answer: a T4 runs fp16, 2 bytes per element.",
-        plan_budget(config, torch.float16, 16 * GIB).max_context:
-            "that is for 16 GiB: plan with T4_BUDGET = 15 GiB.",
-        plan_budget(config, torch.float16, 12 * GIB).max_context:
-            "that is for 12 GiB: plan with T4_BUDGET = 15 GiB.",
-    }, default="use plan_budget(config, dtype, T4_BUDGET).max_context."))
+    at12 = plan_budget(config, torch.float16, 12 * GIB).max_context
+    at15 = llama_on_t4()
+    want = at15 - at12
+    expect(isinstance(got, int | float) and not isinstance(got, bool),
+           f"you returned {got!r}: return a number of tokens (plan_budget says {want:,}).")
+    e, Hkv = torch.float16.itemsize, config.num_key_value_heads
+    kv = 2 * config.num_hidden_layers * Hkv * head_dim(config) * e  # the wrong answers below
+    column = 2 * (config.num_attention_heads // Hkv) * CHUNK * e
+    expect(abs(got - want) <= want / 100,
+           f"you predicted {got:,} more tokens; plan_budget says {want:,} ({at12:,} on 12 GiB, "
+           f"{at15:,} on 15 GiB); within 1% counts as right.",
+           _near(got, {
+               3 * GIB // kv: "That is the KV alone: the workspace grows with the context too "
+                              "(the mask and its padded copy, section 6).",
+               3 * GIB // (2 * kv + 2 * column + 8): "That is fp32: a T4 runs fp16, 2 bytes per "
+                                                    "element.",
+               3 * 10**9 // (kv + column + 8): "3 GiB are 3 x 2^30 bytes, not 3 x 10^9.",
+               4 * GIB // (kv + column + 8): "That is for 4 more GiB: the T4 offers 15 GiB.",
+               at15: "That is the whole context on 15 GiB: how many MORE than on 12 GiB?",
+           }))
+    return (f"plan_budget: {at12:,} tokens on 12 GiB, {at15:,} on the T4's 15 GiB, "
+            f"+{want:,}; your arithmetic: +{got:,} (fp16 and bf16 cost the same bytes)")
 
 
 # --- 3. a cache that refuses writes past a budget -----------------------------------------

@@ -119,11 +119,16 @@ def check_total_flops(fn) -> None:
 def intensity(config, dtype: torch.dtype, n: int, S: int) -> float:
     """The notebook's arithmetic intensity: FLOPs of n new tokens over S slots per byte moved.
 
-    FLOPs: the weights' 2 x params x n, plus attention's 4 x L x Hq x D x n x S. Bytes: every weight
+    FLOPs, as the notebook's ``forward_flops`` counts them for ``kvlib.forward``: every weight but
+    the embedding and the head with all n tokens; the head (hidden x vocab) once, since only the
+    last position's logits are computed; attention's 4 x L x Hq x D x n x S. Bytes: every weight
     once and the K/V of the S slots (``decode_bytes``), whatever n is.
     """
     L, H, D = config.num_hidden_layers, config.num_attention_heads, head_dim(config)
-    flops = 2 * param_count(config) * n + 4 * L * H * D * n * S
+    head = config.vocab_size * config.hidden_size
+    tied = config.tie_word_embeddings  # the embedding is a lookup: no FLOPs
+    body = param_count(config) - head * (1 if tied else 2)
+    flops = 2 * body * n + 2 * head + 4 * L * H * D * n * S
     return flops / decode_bytes(config, dtype, S)
 
 
@@ -171,5 +176,6 @@ def check_min_chunk(fn) -> None:
                    f"n={got}, whose intensity is {reached:.2f}; the smallest n that reaches the "
                    f"ridge is {want}.",
                    hint(got, {want - 1: "Off by one: the chunk must reach the ridge.",
-                              weights_only: "Close: that is 2n / bytes per element; the K/V bytes "
-                                            "and the attention FLOPs count too (use intensity)."}))
+                              weights_only: "Close: that is 2n / bytes per element; the head (run "
+                                            "once), the K/V bytes and the attention FLOPs count "
+                                            "too (use intensity)."}))

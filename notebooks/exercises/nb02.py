@@ -1,8 +1,8 @@
 """Exercises of notebook 02 (the ``cat`` cache): checks and reference solutions.
 
-The answers are checked with the meter against a real :class:`kvlib.CatCache`, on the ``meta``
-device (shapes, no memory) or on small CPU tensors, so the checks print the same thing on every
-machine and take no time.
+The answers are checked against a real :class:`kvlib.CatCache`, with the meter or a ledger of
+live bytes, on the ``meta`` device (shapes, no memory) or on small CPU tensors, so the checks
+print the same thing on every machine and take little time.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from kvlib import CatCache
 from kvlib.config import head_dim, load_config
 from kvlib.meter import AllocMeter
+from kvlib.simulate import Ledger
 
 from .checking import attempt, check, expect
 
@@ -22,71 +23,64 @@ def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _metered_steps(config, dtype: torch.dtype, prompt: int, steps: int) -> list[int]:
-    """Bytes a CatCache allocates in each of ``steps`` one-token writes after ``prompt`` tokens."""
+def _metered_peak(config, dtype: torch.dtype, t: int) -> tuple[int, int]:
+    """(most cache bytes alive at once, cache bytes after) over one decode step of a CatCache
+    that holds ``t`` tokens. A ledger of live storages, not the meter: the meter sums what is
+    allocated, and the question is what is alive together."""
     cache = CatCache.for_model(config, device="meta", dtype=dtype)
     hkv, d = config.num_key_value_heads, head_dim(config)
-    k = torch.empty(prompt, hkv, d, dtype=dtype, device="meta")  # [p, Hkv, D]
-    one = torch.empty(1, hkv, d, dtype=dtype, device="meta")  # [1, Hkv, D]
-    for layer in range(cache.n_layers):  # the prefill: not counted
-        cache.write(layer, 0, k, k)
-    with AllocMeter() as meter:
-        for i in range(steps):  # decode step i writes slot prompt + i in every layer
+    one = torch.empty(1, hkv, d, dtype=dtype, device="meta")  # [1, Hkv, D]: the step's token
+    ledger = Ledger()  # counts from 0: only what is made inside
+    with ledger:
+        if t:  # the t slots held: made here so that their release is counted too
+            held = torch.empty(t, hkv, d, dtype=dtype, device="meta")
             for layer in range(cache.n_layers):
-                cache.write(layer, prompt + i, one, one)
-            meter.mark()
-    return meter.steps
+                cache.write(layer, 0, held, held)
+            del held  # the fill's peak (the cache and this input) stays below the step's
+        for layer in range(cache.n_layers):
+            cache.write(layer, t, one, one)
+    return ledger.peak, ledger.live
 
 
-# --- 1. one step -----------------------------------------------------------------------
+# --- 1. the peak inside a step ------------------------------------------------------------
 
 
-def step_bytes_solution(config, dtype: torch.dtype, t: int) -> int:
-    """Bytes one decode step allocates (and copies) when the cache already holds ``t`` tokens.
+def step_peak_solution(config, dtype: torch.dtype, t: int) -> int:
+    """Most cache bytes alive at once during the cat cache's decode step at ``t`` slots held.
 
-    Every layer makes new K and V of ``t + 1`` slots:
-    ``2 * layers * (t+1) * kv_heads * head_dim * elt``.
+    Layers are written one after another, K then V, and each old tensor is freed as soon as its
+    longer copy replaces it. So at the last write (the last layer's V) every tensor already has
+    ``t + 1`` slots and the old V of ``t`` slots is still alive: the cache after the step plus
+    one layer's K (or V) before it, ``(2 * layers * (t + 1) + t) * kv_heads * head_dim * elt``.
     """
     element = torch.empty((), dtype=dtype).element_size()
-    kv_heads, layers = config.num_key_value_heads, config.num_hidden_layers
-    return 2 * layers * (t + 1) * kv_heads * head_dim(config) * element
+    one_slot = config.num_key_value_heads * head_dim(config) * element  # one layer's K, one slot
+    return (2 * config.num_hidden_layers * (t + 1) + t) * one_slot
 
 
-def first_slot_over_solution(config, dtype: torch.dtype, limit_bytes: int) -> int:
-    """The smallest ``t`` whose step (writing slot ``t``) allocates more than ``limit_bytes``.
-
-    The step allocates ``per_token * (t + 1)``, so we need ``t + 1 > limit / per_token``:
-    ``t + 1 = limit // per_token + 1``, i.e. ``t = limit // per_token``.
-    """
-    per_token = step_bytes_solution(config, dtype, 0)
-    return limit_bytes // per_token
-
-
-LIMIT_CASES = [  # (shipped config, dtype, limit in bytes)
-    ("qwen3-4b", torch.bfloat16, 2**30),
-    ("smollm2-135m", torch.float32, 100 * 2**20),
-    ("llama-3.2-3b", torch.float16, 123_456_789),
-    # exactly three tokens of KV (the step writing slot 2): that step is not "more", slot 3's is
-    ("qwen3-4b", torch.bfloat16, step_bytes_solution(load_config("qwen3-4b"), torch.bfloat16, 2)),
+PEAK_CASES = [  # (shipped config, dtype, t: slots held before the step)
+    ("smollm2-135m", torch.float32, 0),  # nothing old to free: the peak is the cache after
+    ("smollm2-135m", torch.float32, 100),
+    ("llama-3.2-3b", torch.float16, 4_095),
+    ("qwen3-4b", torch.bfloat16, 31_170),  # the last step under the 12 GiB plan
 ]
 
 
 @check
-def check_first_slot_over(fn) -> None:
-    """``fn(config, dtype, limit)`` -> the first slot whose cat step allocates over ``limit`` B."""
-    for name, dtype, limit in LIMIT_CASES:
+def check_step_peak(fn) -> str:
+    """``fn(config, dtype, t)`` -> the most cache bytes alive at once during the step at ``t``."""
+    for name, dtype, t in PEAK_CASES:
         config = load_config(name)
-        got = int(attempt(fn, config, dtype, limit))
-        where = f"{name} in {_short(dtype)}, limit {limit:,} B"
-        expect(got >= 0, f"{where}: t={got} is not a slot")
-        at = _metered_steps(config, dtype, got, 1)[0]
-        expect(at > limit, f"{where}: the step writing slot t={got:,} allocates {at:,} B "
-                           f"(metered), not more than the limit: t is too small")
-        if got > 0:
-            before = _metered_steps(config, dtype, got - 1, 1)[0]
-            expect(before <= limit, f"{where}: the step writing slot t-1={got - 1:,} already "
-                                    f"allocates {before:,} B (metered), more than the limit: "
-                                    f"find the smallest t")
+        got = int(attempt(fn, config, dtype, t))
+        peak, after = _metered_peak(config, dtype, t)
+        extra = got - after
+        expect(got == peak, f"{name} in {_short(dtype)} at t={t:,}: you said {got:,} B, the ledger "
+                            f"saw {peak:,} B alive at once ({after:,} B after the step, so the "
+                            f"moment holds {peak - after:,} B more; yours {extra:,} B more)")
+    name, dtype, t = PEAK_CASES[-1]
+    peak, after = _metered_peak(load_config(name), dtype, t)
+    return (f"{name} at t={t:,}: {peak / 2**30:.3f} GiB alive at the last write, "
+            f"{(peak - after) / 2**20:.1f} MiB above the cache after the step")
 
 
 # --- 2. a cache that grows by doubling ----------------------------------------------------

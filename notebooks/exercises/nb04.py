@@ -53,6 +53,49 @@ def check_view_strides(fn) -> None:
                    f"many elements you skip in storage to move one step along that dim.")
 
 
+# --- 1b. runs of memory one head's read makes ------------------------------------------
+
+RUN_CASES = [  # (n_kv_heads, t)
+    (3, 4),  # the picture's: SmolLM2's KV heads, the step at t = 4
+    (8, 100),  # Qwen3-4B's KV heads, a longer read
+    (1, 9),  # one KV head (multi-query attention): the picture does not show it
+    (4, 0),  # the first step reads one slot
+]
+
+
+def read_runs_solution(n_kv_heads: int, t: int, layout: str) -> int:
+    """Separate runs of memory SDPA reads for one head's slots ``0..t`` through the view."""
+    if layout == "head" or n_kv_heads == 1:  # one head's slots are neighbours in storage
+        return 1
+    return t + 1  # "seq": the next slot of the same head is Hkv * D elements further on
+
+
+def _true_runs(n_kv_heads: int, t: int, layout: str) -> int:
+    """Counted from a real cache's storage offsets: a run ends where the next key is not next."""
+    cache = KVCache(1, t + 2, n_kv_heads, 4, device="cpu", dtype=torch.float32, layout=layout)
+    size = 4 * cache.k.element_size()  # bytes of one key vector
+    starts = sorted(cache.k[0, s, n_kv_heads - 1].data_ptr() // size for s in range(t + 1))
+    return 1 + sum(b != a + 1 for a, b in zip(starts, starts[1:]))
+
+
+@check
+def check_read_runs(fn) -> None:
+    """``fn(n_kv_heads, t, layout)`` -> how many separate runs of memory one head's read makes."""
+    for layout in ("seq", "head"):
+        for heads, t in RUN_CASES:
+            got = attempt(fn, heads, t, layout)
+            want = _true_runs(heads, t, layout)
+            expect(got == want,
+                   f"layout={layout!r}, kv_heads={heads}, t={t}: you said {got} run(s), SDPA's "
+                   f"read of one head's slots 0..{t} makes {want}.",
+                   hint(got, {
+                       t + 1: "With one KV head, what sits between two slots of the same head?"
+                       if heads == 1 else "Head-major storage keeps one head's slots together.",
+                       1: "Seq-major storage puts the other heads' keys between two slots of "
+                          "one head.",
+                   }))
+
+
 # --- 2. the context repeat_kv's copy costs ----------------------------------------------
 
 

@@ -10,31 +10,45 @@ slot ``t`` and attends over ``t + 1`` slots.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from kvlib import KVCache
-from kvlib.config import kv_bytes_per_token, load_config
+from kvlib.config import GIB, MIB, kv_bytes_per_token, load_config
 from kvlib.graphs import StaticStep
 
 from .checking import attempt, check, expect
 
-# --- 1. the span a bucketed step reads, and how many graphs -----------------------------
+# What each exercise builds, hidden from the learner's function while a check calls it. The
+# reference solutions are hidden too: the notebook imports this module.
+_HERE = sys.modules[__name__]
+PICK = ((StaticStep, "span"), (_HERE, "pick_bucket_solution"))
+TRACE = ((StaticStep, "span"), (_HERE, "trace_waste_solution"))
 
-BUCKET_CASES = [  # (max_seq, bucket, t)
-    (2048, 256, 0),  # the first step of an empty cache still reads a whole bucket
-    (2048, 256, 255),  # writes the last slot of the first bucket
-    (2048, 256, 256),  # one slot into the next
-    (1000, 256, 990),  # max_seq not a multiple of bucket: the last span is capped
-    (30976, 256, 30975),  # the 12 GiB plan's longest context, last step
-    (64, 128, 10),  # a bucket bigger than the cache: one graph
+# --- 1. the smallest bucket within a graph limit, and what it reads masked ----------------
+
+PICK_CASES = [  # (config name, dtype, max_seq, max_graphs, max_masked_bytes)
+    ("qwen3-4b", torch.bfloat16, 30976, 128, 64 * MIB),  # the 12 GiB plan: fits
+    ("qwen3-4b", torch.bfloat16, 30976, 8, 64 * MIB),  # too few graphs for 64 MiB: None
+    ("qwen3-4b", torch.bfloat16, 30976, 1, 8 * GIB),  # one graph: the whole-buffer mask
+    ("smollm2-135m", torch.float32, 1000, 3, 64 * MIB),  # 1000 / 3 is not whole: round up
+    ("llama-3.2-3b", torch.float16, 1024, 4, 255 * 114688),  # exactly at the limit: it fits
+    ("smollm2-135m", torch.float32, 64, 100, 0),  # more graphs than slots: buckets of 1
 ]
 
 
-def bucket_plan_solution(max_seq: int, bucket: int, t: int) -> tuple[int, int]:
-    """``(span, n_graphs)``: slots a bucketed step reads with ``t`` held, graphs to capture."""
-    span = min(max_seq, (t // bucket + 1) * bucket)  # t + 1 slots rounded up to a bucket, capped
-    n_graphs = -(-max_seq // bucket)  # one per bucket: ceil(max_seq / bucket)
-    return span, n_graphs
+def pick_bucket_solution(config, dtype: torch.dtype, max_seq: int, max_graphs: int,
+                         max_masked_bytes: int) -> tuple[int, int] | None:
+    """``(bucket, masked_bytes)``: the smallest bucket with at most ``max_graphs`` graphs, and the
+    most masked K/V bytes one of its steps reads; None when that is over ``max_masked_bytes``.
+
+    The smallest bucket, because a bigger one only reads more masked slots. The worst step is the
+    first of a bucket: it reads the whole bucket for one slot held, ``bucket - 1`` slots masked.
+    """
+    bucket = -(-max_seq // max_graphs)  # ceil: ceil(max_seq / bucket) <= max_graphs from here on
+    masked = (min(bucket, max_seq) - 1) * kv_bytes_per_token(config, dtype)
+    return (bucket, masked) if masked <= max_masked_bytes else None
 
 
 def _static_step(max_seq: int, bucket: int) -> StaticStep:
@@ -42,9 +56,17 @@ def _static_step(max_seq: int, bucket: int) -> StaticStep:
     return StaticStep(None, cache, bucket=bucket, capture=False)  # span() needs no model
 
 
-def _true_plan(max_seq: int, bucket: int, t: int) -> tuple[int, int]:
+def _graphs_and_worst(max_seq: int, bucket: int) -> tuple[int, int]:
+    """StaticStep's count: distinct spans over the cache, and the most masked slots of a step."""
     step = _static_step(max_seq, bucket)
-    return step.span(t), len({step.span(p) for p in range(max_seq)})
+    spans = [step.span(t) for t in range(max_seq)]
+    return len(set(spans)), max(s - t - 1 for t, s in enumerate(spans))
+
+
+def _slot_bytes(config, dtype: torch.dtype) -> int:
+    """One slot's K and V over all layers, from the cache's own views (not the formula)."""
+    cache = KVCache.for_model(config, 1, device="meta", dtype=dtype)
+    return sum(x.nbytes for layer in range(cache.n_layers) for x in cache.view(layer, 1))
 
 
 def _pair(got) -> tuple[int, int] | None:
@@ -57,18 +79,46 @@ def _pair(got) -> tuple[int, int] | None:
 
 
 @check
-def check_bucket_plan(fn) -> None:
-    """``fn(max_seq, bucket, t)`` -> ``(span, n_graphs)``, as kvlib's StaticStep does it."""
-    for max_seq, bucket, t in BUCKET_CASES:
-        answer = attempt(fn, max_seq, bucket, t)
-        want = _true_plan(max_seq, bucket, t)
+def check_pick_bucket(fn) -> None:
+    """``fn(config, dtype, max_seq, max_graphs, max_masked_bytes)`` -> ``(bucket, bytes)``/None."""
+    for name, dtype, max_seq, max_graphs, limit in PICK_CASES:
+        config = load_config(name)
+        answer = attempt(fn, config, dtype, max_seq, max_graphs, limit, hide=PICK)
+        case = (f"{name} in {str(dtype).removeprefix('torch.')}, max_seq={max_seq}, "
+                f"max_graphs={max_graphs}, max_masked_bytes={limit:,}")
+        want_bucket = -(-max_seq // max_graphs)
+        graphs, worst = _graphs_and_worst(max_seq, want_bucket)
+        below = _graphs_and_worst(max_seq, want_bucket - 1)[0] if want_bucket > 1 else None
+        # The formula's bucket, confirmed by kvlib: it fits the graphs, one slot less does not.
+        assert graphs <= max_graphs and (below is None or below > max_graphs), (graphs, below)
+        want_bytes = worst * _slot_bytes(config, dtype)
+        fits = want_bytes <= limit
         got = _pair(answer)
-        expect(got is not None, f"return a pair (span, n_graphs), not {answer!r}")
-        expect(got == want,
-               f"max_seq={max_seq}, bucket={bucket}, t={t}: you said span {got[0]}, "
-               f"{got[1]} graphs; StaticStep reads {want[0]} slots and captures {want[1]} "
-               f"graphs. Hint: the step reads t + 1 slots, rounded up to a whole bucket, never "
-               f"past max_seq; there is one graph per distinct span.")
+        expect(answer is None or got is not None,
+               f"{case}: return a pair (bucket, masked_bytes) or None, not {answer!r}")
+        if not fits:
+            expect(answer is None,
+                   f"{case}: you returned {answer!r}, but no bucket meets both limits: the "
+                   f"smallest with at most {max_graphs} graphs is {want_bucket}, and its worst "
+                   f"step reads {want_bytes:,} B of masked K and V, over the limit.")
+            continue
+        expect(answer is not None,
+               f"{case}: you returned None, but bucket {want_bucket} needs {graphs} graphs and "
+               f"its worst step reads {want_bytes:,} B of masked K and V, within the limit.")
+        bucket, masked = got
+        expect(bucket > 0, f"{case}: bucket {bucket} holds no slot; a bucket holds at least 1.")
+        if bucket < want_bucket:
+            n = _graphs_and_worst(max_seq, bucket)[0]
+            expect(False, f"{case}: bucket {bucket} needs {n} graphs to cover {max_seq} slots, "
+                          f"more than {max_graphs}. Hint: round max_seq / max_graphs up, not down.")
+        expect(bucket == want_bucket,
+               f"{case}: bucket {bucket} keeps to {max_graphs} graphs, but the smaller bucket "
+               f"{want_bucket} does too ({graphs} graphs) and reads fewer masked slots: take the "
+               f"smallest.")
+        expect(masked == want_bytes,
+               f"{case}: bucket {bucket}: you said {masked:,} B masked; its worst step reads "
+               f"{worst} masked slots, {want_bytes:,} B of K and V. Hint: a step masks the slots "
+               f"of its span past its t + 1; a bucket's first step masks the most.")
 
 
 # --- 2. a conversation's masked reads, and the graphs it captures ------------------------
@@ -107,7 +157,7 @@ def _true_trace(config, dtype: torch.dtype, max_seq: int, bucket: int, t0: int,
 def check_trace_waste(fn) -> None:
     """``fn(config, dtype, max_seq, bucket, t0, steps)`` -> ``(graphs, masked_bytes)``."""
     for name, dtype, max_seq, bucket, t0, steps in TRACE_CASES:
-        answer = attempt(fn, load_config(name), dtype, max_seq, bucket, t0, steps)
+        answer = attempt(fn, load_config(name), dtype, max_seq, bucket, t0, steps, hide=TRACE)
         want = _true_trace(load_config(name), dtype, max_seq, bucket, t0, steps)
         got = _pair(answer)
         expect(got is not None, f"return a pair (graphs, masked_bytes), not {answer!r}")

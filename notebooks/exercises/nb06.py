@@ -28,6 +28,7 @@ FLOOR = ((kv_bandwidth, "decode_bytes"), (kv_bandwidth, "step_bytes"),
          (Card, "predicted_ms_per_token"), (_HERE, "read_bytes"),
          (_HERE, "decode_floor_ms_solution"))
 CARD = PLAN + FLOOR + ((_HERE, "card_needed_solution"),)
+LOST = PLAN + ((_HERE, "tokens_lost_solution"),)
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -231,3 +232,49 @@ def check_card_needed(fn) -> str:
             f"{', '.join(both) or 'none'}; with the memory but too slow: "
             f"{', '.join(roomy) or 'none'} (a PREDICTION from the sheets' numbers, and a floor: "
             f"the H200 reference ran its steps far above it).")
+
+
+# --- 4. what a real card loses -----------------------------------------------------------
+
+
+def tokens_lost_solution(config, dtype: torch.dtype, budget_bytes: int, overhead_bytes: int) -> int:
+    """Tokens the plan's longest context (batch 1) loses when ``overhead_bytes`` of the budget are
+    taken by what it does not count (a CUDA context, libraries' workspaces). Fewer than
+    ``overhead_bytes / KV per token``: a shorter context also needs a smaller workspace."""
+    longest = longest_context_solution(config, dtype, 1, budget_bytes)
+    return longest - longest_context_solution(config, dtype, 1, budget_bytes - overhead_bytes)
+
+
+MIB = 2**20
+LOST_CASES = [  # (config, dtype, budget GiB, overhead MiB): the asked one first
+    ("qwen3-4b", torch.bfloat16, 12, 100),
+    ("qwen3-4b", torch.bfloat16, 12, 905),  # the H200 reference's: 787 outside, 118 held
+    ("llama-3.2-3b", torch.float16, 16, 512),
+    ("smollm2-135m", torch.float32, 4, 1024),
+]
+
+
+@check
+def check_tokens_lost(fn) -> str:
+    """``fn(config, dtype, budget_bytes, overhead_bytes)`` -> the tokens lost, exactly. Its note:
+    the asked case against the KV alone."""
+    for name, dtype, gib, mib in LOST_CASES:
+        config = load_config(name)
+        got = attempt(fn, config, dtype, gib * GIB, mib * MIB, hide=LOST)
+        want = tokens_lost_solution(config, dtype, gib * GIB, mib * MIB)
+        kv_only = mib * MIB // kv_bytes_per_token(config, dtype)
+        expect(got is not None and int(got) == want,
+               f"{name} in {_name(dtype)} on {gib} GiB, {mib:,} MiB taken: you said {got}, the "
+               f"plan loses {want:,} tokens (the KV alone would say {kv_only:,}).",
+               hint(got, {kv_only: "Hint: that is the overhead over the KV per token; the "
+                                   "workspace shrinks with the context too, so a token freed "
+                                   "gives back more than its KV.",
+                          -want: "Hint: tokens lost, a positive number."},
+                    "Hint: your plan_longest of exercise 1, with and without the overhead."))
+    name, dtype, gib, mib = LOST_CASES[0]
+    config = load_config(name)
+    lost = tokens_lost_solution(config, dtype, gib * GIB, mib * MIB)
+    kv = kv_bytes_per_token(config, dtype)
+    return (f"{name} on {gib} GiB: every {mib} MiB the plan does not count costs {lost:,} tokens, "
+            f"{mib * MIB / lost / 1024:.1f} KiB a token: its {kv // 1024} KiB of KV and the "
+            f"workspace's growth per token.")

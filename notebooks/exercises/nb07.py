@@ -128,14 +128,22 @@ def check_fits(fn) -> None:
 
 def kv_per_gpu_solution(config, dtype: torch.dtype, tp: int) -> int:
     """Each of ``tp`` GPUs holds ``ceil(Hkv / tp)`` KV heads of every layer: the heads are split,
-    and past ``Hkv`` GPUs a head is copied, not split further."""
-    heads = -(-kv_heads(config) // tp)
+    and past ``Hkv`` GPUs a head is copied, not split further. The ``tp`` values ``plan_budget``
+    accepts (dividing the query heads, and dividing the KV heads or a multiple of them), so the
+    notebook's table, this and the plan agree."""
+    Hq, Hkv = config.num_attention_heads, kv_heads(config)
+    if tp < 1 or Hq % tp or (Hkv % tp and tp % Hkv):
+        raise ValueError(f"tp={tp} must divide the {Hq} query heads, and divide the {Hkv} KV "
+                         f"heads or be a multiple of them")
+    heads = -(-Hkv // tp)
     return kv_token_bytes(config.num_hidden_layers, heads, head_dim(config), dtype)
 
 
-TP_CASES = [("qwen3-4b", torch.bfloat16, 1), ("qwen3-4b", torch.bfloat16, 2),
-            ("qwen3-4b", torch.bfloat16, 8), ("qwen3-4b", torch.bfloat16, 16),
-            ("smollm2-135m", torch.float32, 2), ("llama-3.2-3b", torch.float16, 4)]
+TP_CASES = [  # only tp values plan_budget accepts
+    ("qwen3-4b", torch.bfloat16, 1), ("qwen3-4b", torch.bfloat16, 2),
+    ("qwen3-4b", torch.bfloat16, 8), ("qwen3-4b", torch.bfloat16, 16),
+    ("smollm2-135m", torch.float32, 3), ("llama-3.2-3b", torch.float16, 4),
+]
 
 
 @check

@@ -6,12 +6,24 @@ machine.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from kvlib.config import load_config
-from kvlib.quant_cache import kv_format_bytes
+from kvlib import budget as kv_budget
+from kvlib import quant_cache
+from kvlib.budget import Budget, run_workspace, weight_bytes
+from kvlib.config import GIB, head_dim, kv_heads, load_config
+from kvlib.quant_cache import plan_kv
 
 from .checking import attempt, check, expect, hint
+
+# What exercises 2 and 3 build, hidden from the learner's function while a check calls it. The
+# reference solutions are hidden too: the notebook imports this module.
+_HERE = sys.modules[__name__]
+QUANTIZE = ((quant_cache, "quantize"), (quant_cache, "dequantize"), (_HERE, "quantize_solution"))
+PLAN = ((quant_cache, "plan_kv"), (quant_cache, "kv_format_bytes"), (kv_budget, "plan_budget"),
+        (kv_budget, "Budget"), (_HERE, "longest_int4_solution"))
 
 # --- 1. the ring's slot index ---------------------------------------------------------------
 
@@ -66,7 +78,7 @@ def check_quantize(fn) -> None:
     """``fn(x)`` -> ``(code, scale)``: int8 codes in -127..127, a scale per row, and every
     ``code * scale`` within half of that row's step ``max|x| / 127`` of ``x``."""
     x = _rows()
-    out = attempt(fn, x.clone())
+    out = attempt(fn, x.clone(), hide=QUANTIZE)
     expect(isinstance(out, tuple) and len(out) == 2,
            f"return (code, scale), not {type(out).__name__}")
     code, scale = out
@@ -87,29 +99,74 @@ def check_quantize(fn) -> None:
            f"<= 0.5: round to the nearest code, with each row's own scale")
 
 
-# --- 3. bytes per token, scales included ----------------------------------------------------
+# --- 3. the longest int4 context, its copy priced ----------------------------------------
 
 
-def int8_bytes_solution(config) -> int:
-    """K and V, every layer and KV head: ``head_dim`` int8 codes and one 2-byte (bf16) scale."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * (head_dim + 2)
+def int4_copy_bytes(config) -> int:
+    """Bytes per token of context that one layer's ``dequantize`` holds at its peak, in bf16:
+    K's copy (2 bytes an element) stays alive while V's nibbles become int8 codes (1 byte) and
+    then V's copy (2 bytes)."""
+    return 5 * kv_heads(config) * head_dim(config)
 
 
-BYTES_CONFIGS = ["qwen3-4b", "smollm2-135m", "llama-3.2-3b"]
+def int4_bytes(config) -> int:
+    """K and V, every layer and KV head: ``head_dim / 2`` bytes of codes and a 2-byte scale per
+    32 channels."""
+    d = head_dim(config)
+    return 2 * config.num_hidden_layers * kv_heads(config) * (d // 2 + d // 32 * 2)
+
+
+def longest_int4_solution(config, budget_bytes: int) -> int:
+    """The longest context of ``config`` in bf16 with int4 KV (groups of 32, bf16 scales): the
+    weights, the KV, the workspace of a full-precision cache, and one layer's dequantized copy,
+    which grows with the context too. Bisect: the workspace is no straight line."""
+    weights = weight_bytes(config, torch.bfloat16)
+    per_token, copy = int4_bytes(config), int4_copy_bytes(config)
+
+    def fits(context: int) -> bool:
+        workspace = run_workspace(config, torch.bfloat16, context)
+        return weights + (per_token + copy) * context + workspace <= budget_bytes
+
+    lo, hi = 0, max(0, budget_bytes - weights) // per_token + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _priced(plan, per_token: int, extra: int, workspace: bool = True) -> int:
+    """``plan`` with other KV bytes a token and ``extra`` bytes a token of context on top."""
+    at = plan._workspace_at if workspace else (lambda context: 0)
+    return Budget(plan.weights, per_token, plan.budget,
+                  lambda context: at(context) + extra * context).max_context
+
+
+LONGEST_CASES = [("llama-3.2-3b", 12), ("qwen3-4b", 12), ("qwen2.5-3b", 8), ("smollm2-135m", 1)]
 
 
 @check
-def check_int8_bytes(fn) -> None:
-    """``fn(config)`` -> int8 KV bytes per token with bf16 scales, as ``QuantCache`` holds."""
-    for name in BYTES_CONFIGS:
+def check_longest_int4(fn) -> None:
+    """``fn(config, budget_bytes)`` -> the longest int4 context with the copy priced, within one
+    token (the plan also keeps RoPE's 4 * head_dim bytes, under a token's KV)."""
+    for name, gib in LONGEST_CASES:
         config = load_config(name)
-        got, want = attempt(fn, config), kv_format_bytes(config, "int8")
-        layers, kv = config.num_hidden_layers, config.num_key_value_heads
-        q = config.num_attention_heads
-        known = {want - 2 * layers * kv * 2: "You left the scales out: one 2-byte scale per "
-                                             "token, layer, KV head, for K and for V.",
-                 want // 2: "K and V: two tensors per layer.",
-                 want * q // kv: "Only the KV heads are stored; the query heads share them."}
-        expect(got == want, f"{name}: you said {got} B per token, int8 with bf16 scales is "
-                            f"{want:,} B.", hint(got, known))
+        got = attempt(fn, config, gib * GIB, hide=PLAN)
+        want = longest_int4_solution(config, gib * GIB)
+        plan = plan_kv(config, torch.bfloat16, gib * GIB, "int4")
+        copy, kv, d = int4_copy_bytes(config), kv_heads(config), head_dim(config)
+        scales = 2 * config.num_hidden_layers * kv * d // 32 * 2
+        known = {plan.max_context: "You left the dequantized copy out: one layer's, at the "
+                                   "whole context, in bf16.",
+                 _priced(plan, plan.kv_per_token, 4 * kv * d): "K's and V's bf16 copies, yes, "
+                                                               "but V's unpacked int8 codes are "
+                                                               "alive too.",
+                 _priced(plan, plan.kv_per_token - scales, copy): "int4 keeps a bf16 scale per "
+                                                                  "32 channels: price them.",
+                 _priced(plan, plan.kv_per_token, copy, workspace=False):
+                     "The workspace grows with the context too: run_workspace(config, "
+                     "torch.bfloat16, context)."}
+        expect(got is not None and abs(int(got) - want) <= 1,
+               f"{name}, bf16 weights, int4 KV, {gib} GiB: you said {got}, the priced plan says "
+               f"{want:,} tokens (weights {plan.weights:,} B, KV {plan.kv_per_token:,} B per "
+               f"token, copy {copy:,} B per token of context, workspace "
+               f"{plan._workspace_at(want):,} B there).", hint(got, known))
