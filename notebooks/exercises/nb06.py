@@ -15,7 +15,7 @@ from kvlib import budget as kv_budget
 from kvlib.bandwidth import decode_bytes, step_bytes
 from kvlib.budget import param_count, plan_budget, run_workspace, weight_bytes, workspace_bytes
 from kvlib.cards import CARDS, Card
-from kvlib.config import GIB, kv_bytes_per_token, load_config
+from kvlib.config import GIB, MIB, kv_bytes_per_token, load_config
 
 from .checking import attempt, check, expect, hint
 
@@ -245,7 +245,6 @@ def tokens_lost_solution(config, dtype: torch.dtype, budget_bytes: int, overhead
     return longest - longest_context_solution(config, dtype, 1, budget_bytes - overhead_bytes)
 
 
-MIB = 2**20
 LOST_CASES = [  # (config, dtype, budget GiB, overhead MiB): the asked one first
     ("qwen3-4b", torch.bfloat16, 12, 100),
     ("qwen3-4b", torch.bfloat16, 12, 905),  # the H200 reference's: 787 outside, 118 held
