@@ -41,8 +41,12 @@ def _weights(model) -> int:
 @cache
 def _composite(func) -> bool:
     """Whether a card runs ``func`` as other ops (a composite kernel and no device one), whose
-    temporaries are live together: the math path's ``_safe_softmax`` holds scores-sized ones."""
+    temporaries are live together: the math path's ``_safe_softmax`` holds scores-sized ones. An op
+    taking a Scalar stays whole: its composite only wraps the number in a tensor, which would reach
+    this mode as a Python number again, and fail the Tensor overload (int4's ``code & 15``)."""
     has = torch._C._dispatch_has_kernel_for_dispatch_key
+    if any(a.type.kind() == "NumberType" for a in func._schema.arguments):
+        return False
     return has(func.name(), "CompositeExplicitAutograd") and not has(func.name(), "CPU")
 
 

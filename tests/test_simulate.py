@@ -85,6 +85,14 @@ def test_composite_ops_hold_their_parts_at_once():
     assert led.peak >= 3200 + 800
 
 
+def test_an_op_taking_a_number_runs_whole_under_the_ledger():
+    """int4's unpacking, ``code & 15`` and ``code >> 4``, on meta: each result is counted once."""
+    code = empty(100, dtype=torch.uint8)
+    with Ledger() as led:
+        low, high = code & 15, code >> 4
+    assert (low.shape, high.dtype, led.live) == (code.shape, torch.uint8, 200)
+
+
 @pytest.mark.parametrize("sm, dtype, mask, gqa, kernel", [
     (9.0, BF16, False, True, "flash"),  # decode or causal prefill, grouped KV heads
     (8.0, BF16, True, False, "efficient"),  # a masked chunk, query heads folded into rows
