@@ -13,21 +13,25 @@ def _per_token(config, dtype):  # K and V of one token, all layers: built here, 
     return 2 * L * Hkv * head_dim(config) * dtype.itemsize
 
 
-def one_sequence(config, dtype, batch, context):  # forgets the batch
-    return context * _per_token(config, dtype)
+def no_padding(config, dtype, lengths):  # counts the real tokens, forgets the padding
+    return sum(lengths) * _per_token(config, dtype)
 
 
-def k_only(config, dtype, batch, context):  # forgets V
-    return batch * context * _per_token(config, dtype) // 2
+def one_sequence(config, dtype, lengths):  # forgets the batch
+    return max(lengths) * _per_token(config, dtype)
 
 
-def query_heads(config, dtype, batch, context):  # caches every query head
+def k_only(config, dtype, lengths):  # forgets V
+    return len(lengths) * max(lengths) * _per_token(config, dtype) // 2
+
+
+def query_heads(config, dtype, lengths):  # caches every query head
     group = config.num_attention_heads // config.num_key_value_heads
-    return group * batch * context * _per_token(config, dtype)
+    return group * len(lengths) * max(lengths) * _per_token(config, dtype)
 
 
-def calls_the_helper(config, dtype, batch, context):  # what exercise 1 asks the learner to build
-    return batch * context * kv_bytes_per_token(config, dtype)
+def calls_the_helper(config, dtype, lengths):  # what exercise 1 asks the learner to build
+    return len(lengths) * max(lengths) * kv_bytes_per_token(config, dtype)
 
 
 LLAMA = load_config("llama-3.2-3b")
@@ -94,14 +98,15 @@ class CountsTokens(nb00.CappedCatCacheSolution):  # whole tokens: refuses a chun
 
 
 CASES = [
-    (nb00.check_batch_kv_bytes, nb00.batch_kv_bytes_solution, [one_sequence, k_only, query_heads]),
+    (nb00.check_batch_kv_bytes, nb00.batch_kv_bytes_solution,
+     [no_padding, one_sequence, k_only, query_heads]),
     (nb00.check_extra_tokens_on_t4, nb00.extra_tokens_on_t4_solution,
      [kv_alone, in_fp32, in_gb, whole_context, lambda: 1]),
     (nb00.check_capped_cache, nb00.CappedCatCacheSolution,
      [NeverRefuses, RefusesAtTheBudget, WritesFirst, NoNumbers, CountsTokens]),
 ]
 
-test_check = check_tests(nb00, CASES, notes={nb00.check_batch_kv_bytes: "4 conversations",
+test_check = check_tests(nb00, CASES, notes={nb00.check_batch_kv_bytes: "47% of the cache is padd",
                                              nb00.check_extra_tokens_on_t4: "79,965"})
 
 
@@ -112,7 +117,7 @@ def test_hidden_helpers(capsys):
     assert "`kv_bytes_per_token`" in capsys.readouterr().out
     nb00.check_extra_tokens_on_t4(asks_the_plan)
     assert "`plan_budget`" in capsys.readouterr().out
-    assert calls_the_helper(LLAMA, torch.float16, 1, 1) == KV  # restored
+    assert calls_the_helper(LLAMA, torch.float16, [1]) == KV  # restored
     assert asks_the_plan() == AT_15 - AT_12
 
 
@@ -135,3 +140,9 @@ def test_t4_answer_is_bf16s():
     config = load_config("llama-3.2-3b")
     assert nb00.llama_on_t4() == plan_budget(config, torch.float16, 15 * GIB).max_context \
         == plan_budget(config, torch.bfloat16, 15 * GIB).max_context
+
+
+def test_padding_gets_its_hint(capsys):
+    """Counting only the real tokens is the mistake exercise 1 is about: its hint must name it."""
+    nb00.check_batch_kv_bytes(no_padding)
+    assert "padded to the longest" in capsys.readouterr().out

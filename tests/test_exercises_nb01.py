@@ -48,7 +48,8 @@ CASES = [
 ]
 
 # the ratio the exercise asks about, printed after "correct"
-test_check = check_tests(nb01, CASES, notes={nb01.check_step_macs: "S=1024"})
+test_check = check_tests(nb01, CASES, notes={nb01.check_step_macs: "S=1024",
+                                             nb01.check_min_chunk: "512-token chunk"})
 
 
 def test_a_loop_is_accepted(capsys):
@@ -64,7 +65,20 @@ def test_closed_form_equals_sum():
 
 def test_a_plain_search_is_accepted(capsys):
     nb01.check_min_chunk(chunk_linear_search)
-    assert capsys.readouterr().out == "correct\n"
+    assert capsys.readouterr().out.splitlines()[0] == "correct"
+
+
+def test_min_chunk_note_answers_the_guess(capsys):
+    """The note names each card's chunk and where 512 falls short: the guess, answered."""
+    nb01.check_min_chunk(nb01.min_chunk_solution)
+    note = capsys.readouterr().out.splitlines()[1]
+    for name, dtype in nb01.CHUNK_MODELS:
+        config = nb01.load_config(name)
+        needed = [nb01.min_chunk_solution(config, dtype, p, b) for p, b in nb01.CARDS]
+        assert f"{name} {str(dtype).removeprefix('torch.')} {', '.join(map(str, needed))}" in note
+        for (p, b), n in zip(nb01.CARDS, needed):
+            named = f"{name} {str(dtype).removeprefix('torch.')} on the card of ridge {p / b:.4g}"
+            assert (named in note) == (n > 512), (named, n)
 
 
 def test_min_chunk_is_the_first_to_reach_the_ridge():

@@ -36,11 +36,28 @@ def view_seq_axis(k_store, layer, seq):  # permutes as if the store were [L, S, 
     return k_store[layer].permute(1, 0, 2)[:, :seq].unsqueeze(0)
 
 
+def predict_in_elements():  # counts elements, not bytes
+    return 256, (64, 4, 1)
+
+
+def predict_seq_strides():  # the strides of the "seq" layout
+    return 1024, (4, 8, 1)
+
+
+def predict_sliced_strides():  # as if the slice to 5 slots were a new, packed tensor
+    return 1024, (20, 4, 1)
+
+
+def predict_one_number():
+    return 1024
+
+
 CASES = [
     (nb03.check_write, nb03.write_solution, [write_by_cat, write_with_clone, write_seq_layout]),
     (nb03.check_view, nb03.view_solution, [view_copy, view_wrong_layer, view_seq_axis]),
+    (nb03.check_view_prediction, nb03.view_prediction_solution,
+     [predict_in_elements, predict_seq_strides, predict_sliced_strides, predict_one_number]),
 ]
-
 
 
 class RingWithoutWrap(nb03.RingCacheSolution):  # stops at the last slot: keeps overwriting it

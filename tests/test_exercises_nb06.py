@@ -149,3 +149,11 @@ def test_a_real_card_loses_fewer_tokens_than_its_overhead_in_kv():
         budget, taken = gib * nb06.GIB, mib * nb06.MIB
         assert lost == (plan_budget(config, dtype, budget).max_context
                         - plan_budget(config, dtype, budget - taken).max_context)
+
+
+def test_a_cat_memory_priced_with_prealloc_workspace_names_the_cache_argument(capsys):
+    """Exercise 3's likeliest slip, run_workspace at its default cache: the hint names the call."""
+    nb06.check_card_needed(need_prealloc_workspace)
+    out = capsys.readouterr().out
+    assert 'run_workspace(config, dtype, context, 512, cache="cat")' in out
+    assert "correct" not in out

@@ -30,67 +30,80 @@ KV_BYTES = PLAN + ((kv_config, "kv_bytes_per_token"), (kv_config, "kv_token_byte
 EXTRA = PLAN + ((_HERE, "extra_tokens_on_t4_solution"), (_HERE, "llama_on_t4"))
 
 
-def _near(got, known: dict, share: float = 0.01) -> str:
-    """The hint of the first known wrong answer within ``share`` of ``got``: a prediction by
-    arithmetic lands near a wrong answer, not on it."""
+def hint_near(got, known: dict, share: float = 0.01) -> str:
+    """The hint of the first known wrong answer within ``share`` of ``got`` (`` text``, or "").
+
+    ``checking.hint`` matches a wrong answer exactly. A prediction made by arithmetic lands near
+    a wrong answer, not on it (a rounding, a whole chunk), so exercise 2 needs this tolerant twin.
+    """
     return next((f" {text}" for wrong, text in known.items()
                  if abs(got - wrong) <= share * wrong), "")
 
 
-# --- 1. the KV bytes of a batch -----------------------------------------------------------
+# --- 1. the KV bytes of a padded batch ----------------------------------------------------
 
 
-def batch_kv_bytes_solution(config, dtype: torch.dtype, batch: int, context: int) -> int:
-    """Every sequence of the batch keeps its own K and V: ``batch * context`` tokens, each
-    ``2 * layers * kv_heads * head_dim * bytes`` (only the KV heads are cached)."""
+def batch_kv_bytes_solution(config, dtype: torch.dtype, lengths) -> int:
+    """A batch is one ``[batch, longest]`` tensor of ids: shorter prompts are padded to the
+    longest, and every sequence keeps K and V for every position, padding included. Each position
+    costs ``2 * layers * kv_heads * head_dim * bytes`` (only the KV heads are cached)."""
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     per_token = 2 * config.num_hidden_layers * kv_heads * head_dim(config) * dtype.itemsize
-    return batch * context * per_token
+    return len(lengths) * max(lengths) * per_token
 
 
 @cache
-def _transformers_kv_bytes(name: str, dtype: torch.dtype, batch: int, context: int) -> int:
-    """Bytes of the cache ``transformers`` returns for ``[batch, context]`` ids, on ``meta``."""
+def _transformers_kv_bytes(name: str, dtype: torch.dtype, lengths: tuple) -> int:
+    """Bytes of the cache ``transformers`` returns for the padded batch of ``lengths``, on
+    ``meta``: ids ``[batch, longest]``; which positions are padding does not change the size."""
     model = meta_model(name, dtype)
-    ids = torch.zeros(batch, context, dtype=torch.long, device="meta")
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long, device="meta")
     with torch.no_grad():
         out = model(ids, use_cache=True, logits_to_keep=1)
     kv = out["cache"] if "cache" in out else out["past_key_values"]  # renamed across versions
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in kv.layers)
 
 
-BATCH_CASES = [  # (shipped config, dtype, batch, context): the one asked first
-    ("qwen3-4b", torch.bfloat16, 4, 64),
-    ("smollm2-135m", torch.float32, 3, 17),
-    ("qwen2.5-3b", torch.float16, 2, 40),
+BATCH_CASES = [  # (shipped config, dtype, prompt lengths): the one asked first
+    ("qwen3-4b", torch.bfloat16, (64, 16, 48, 8)),
+    ("smollm2-135m", torch.float32, (17, 17, 17)),
+    ("qwen2.5-3b", torch.float16, (40, 1)),
 ]
 
 
 @check
 def check_batch_kv_bytes(fn) -> str:
-    """``fn(config, dtype, batch, context)`` -> bytes of the K and V ``transformers`` keeps."""
-    for name, dtype, batch, context in BATCH_CASES:
+    """``fn(config, dtype, lengths)`` -> bytes of the K and V ``transformers`` keeps for the
+    padded batch of prompts of these lengths."""
+    for name, dtype, lengths in BATCH_CASES:
         config = load_config(name)
-        got = attempt(fn, config, dtype, batch, context, hide=KV_BYTES)
-        want = _transformers_kv_bytes(name, dtype, batch, context)
-        one = want // (batch * context)
+        got = attempt(fn, config, dtype, list(lengths), hide=KV_BYTES)
+        want = _transformers_kv_bytes(name, dtype, lengths)
+        batch = len(lengths)
+        one = want // (batch * max(lengths))
         expect(got == want,
-               f"{name} in {str(dtype).removeprefix('torch.')}, batch {batch} x {context} tokens: "
+               f"{name} in {str(dtype).removeprefix('torch.')}, prompts of {list(lengths)} tokens: "
                f"you said {got}, transformers' cache on the meta device holds {want:,} B.",
                hint(got, {
+                   sum(lengths) * one: "A batch's ids are one [batch, longest] tensor: every "
+                                       "prompt is padded to the longest, and the cache keeps K "
+                                       "and V for the padding too.",
                    want // batch: "Each sequence of the batch keeps its own K and V.",
                    want // 2: "Did you count K but not V?",
-                   one: "That is one token: multiply by the batch and the context.",
+                   one: "That is one token: multiply by the batch and the longest prompt.",
                    want * config.num_attention_heads // config.num_key_value_heads:
                        "Only the KV heads are cached (num_key_value_heads), not the query heads.",
                }))
-    config = load_config("qwen3-4b")
+    name, _, lengths = BATCH_CASES[0]
+    real, slots = sum(lengths), len(lengths) * max(lengths)
+    config = load_config(name)
     room = 12 * GIB - weight_bytes(config, torch.bfloat16)
-    each = room // attempt(fn, config, torch.bfloat16, 4, 1, hide=KV_BYTES)
+    each = room // attempt(fn, config, torch.bfloat16, [1] * 4, hide=KV_BYTES)
     planned = plan_budget(config, torch.bfloat16, 12 * GIB, batch=4).max_context
-    return (f"so 4 conversations of Qwen3-4B in bf16 share 12 GiB at {each:,} tokens each "
-            f"(weights and KV only; with the workspace, plan_budget(..., batch=4) says "
-            f"{planned:,})")
+    return (f"prompts of {list(lengths)}: {slots} positions cached for {real} real tokens, so "
+            f"{1 - real / slots:.0%} of the cache is padding. On 12 GiB, 4 conversations of "
+            f"Qwen3-4B get {each:,} positions each (weights and KV only; with the workspace, "
+            f"plan_budget(..., batch=4) says {planned:,})")
 
 
 # --- 2. three more GiB on a Colab T4 ------------------------------------------------------
@@ -131,7 +144,7 @@ def check_extra_tokens_on_t4(fn) -> str:
     expect(abs(got - want) <= want / 100,
            f"you predicted {got:,} more tokens; plan_budget says {want:,} ({at12:,} on 12 GiB, "
            f"{at15:,} on 15 GiB); within 1% counts as right.",
-           _near(got, {
+           hint_near(got, {
                3 * GIB // kv: "That is the KV alone: the workspace grows with the context too "
                               "(the mask and its padded copy, section 6).",
                3 * GIB // (2 * kv + 2 * column + 8): "That is fp32: a T4 runs fp16, 2 bytes per "

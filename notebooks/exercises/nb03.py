@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from kvlib.meter import AllocMeter
 
-from .checking import attempt, check, expect
+from .checking import attempt, check, expect, hint
 
 # --- 1. the in-place write, "head" layout -------------------------------------------------
 
@@ -57,6 +57,59 @@ def check_write(fn) -> None:
 
 
 # --- 2. the view attention reads, "head" layout ---------------------------------------------
+
+VIEW_STORE = (3, 2, 16, 4)  # the checks' store: [layers, kv_heads, max_seq, head_dim], fp32
+VIEW_CALL = (2, 5)  # the prediction's call: view(k_store, layer=2, seq=5)
+
+
+def view_prediction_solution() -> tuple[int, tuple[int, int, int]]:
+    """Where ``view(k_store, 2, 5)`` starts in a ``[3, 2, 16, 4]`` fp32 store, in bytes from its
+    first byte, and the strides (elements) of the view's heads, slots and head_dim axes.
+
+    Head-major storage: one layer is ``2 * 16 * 4`` = 128 elements, so layer 2 starts at element
+    256, byte 1,024 (fp32: 4 B each). Within a layer, one head is 16 slots of 4 values (stride
+    64), one slot is 4 values (stride 4), one value 1. Slicing to 5 slots changes none of these.
+    """
+    layers, heads, slots, dim = VIEW_STORE
+    layer, _ = VIEW_CALL
+    return layer * heads * slots * dim * 4, (slots * dim, dim, 1)
+
+
+@check
+def check_view_prediction(fn) -> None:
+    """``fn()`` -> ``(start_byte, (head, slot, head_dim strides))``, predicted before ``view``."""
+    got = attempt(fn)
+    layers, heads, slots, dim = VIEW_STORE
+    layer, seq = VIEW_CALL
+    store = torch.zeros(VIEW_STORE)
+    view = view_solution(store, layer, seq)
+    start, strides = view.data_ptr() - store.data_ptr(), tuple(view.stride()[1:])
+    expect(isinstance(got, tuple) and len(got) == 2,
+           f"you returned {got!r}: return two things, (start_byte, (3 strides)); the view "
+           f"starts at byte {start:,} and has strides {strides}.")
+    got_start, got_strides = got
+    where = f"view(k_store, layer={layer}, seq={seq}) of a {list(VIEW_STORE)} fp32 store"
+    expect(got_start == start,
+           f"{where}: you predicted it starts at byte {got_start!r}; it starts at byte {start:,}.",
+           hint(got_start, {
+               start // 4: "That counts elements: fp32 is 4 bytes each.",
+               (layer - 1) * heads * slots * dim * 4: "That is where layer 1 starts: layers "
+                                                     "count from 0.",
+               layer * seq * heads * dim * 4: "A layer holds all its max_seq = 16 slots, not the "
+                                              "5 the view reads.",
+           }))
+    expect(isinstance(got_strides, tuple | list) and len(got_strides) == 3,
+           f"{where}: you predicted strides {got_strides!r}; give three numbers, for heads, "
+           f"slots and head_dim (the view has {strides}).")
+    expect(tuple(got_strides) == strides,
+           f"{where}: you predicted strides {tuple(got_strides)!r} for (heads, slots, head_dim); "
+           f"the view has {strides}.",
+           hint(tuple(got_strides), {
+               (dim, heads * dim, 1): "Those are the \"seq\" layout's ([L, S, H, D]); this store "
+                                      "is head-major, [L, H, S, D].",
+               (seq * dim, dim, 1): "Slicing to the first 5 slots is a view: the strides stay "
+                                    "the store's, with max_seq = 16 slots per head.",
+           }))
 
 
 def view_solution(k_store: torch.Tensor, layer: int, seq: int) -> torch.Tensor:

@@ -202,6 +202,10 @@ def check_card_needed(fn) -> str:
         parts = plan_budget(config, dtype, GIB, prefill_chunk=PREFILL_CHUNK,
                             cache=cache).breakdown(context)
         least = parts["weights"] + parts["kv"] + parts["workspace"]
+        # the cat cache priced with prealloc's workspace: the mistake of leaving run_workspace's
+        # cache argument at its default
+        as_prealloc = parts["weights"] + parts["kv"] + run_workspace(config, dtype, context,
+                                                                     PREFILL_CHUNK)
         case = f"{name} in {_name(dtype)}, {cache}, {context:,} tokens at {ms:g} ms/token"
         expect(got_memory is not None and abs(got_memory - least) <= SLACK,
                f"{case}: you said {got_memory} B of memory; the plan needs {least:,} B = weights "
@@ -209,8 +213,12 @@ def check_card_needed(fn) -> str:
                next((f" {text}" for wrong, text in (
                    (parts["weights"] + parts["kv"], "Hint: the workspace too, which grows with the "
                                                     "context (a prefill chunk's mask)."),
+                   (as_prealloc if cache == "cat" else None,
+                    f"Hint: that is the prealloc cache's workspace; call run_workspace(config, "
+                    f"dtype, context, {PREFILL_CHUNK}, cache=\"cat\") for the cat cache."),
                    (least / GIB, "Hint: bytes, not GiB."))
-                   if got_memory is not None and abs(got_memory - wrong) <= SLACK), ""))
+                   if got_memory is not None and wrong is not None
+                   and abs(got_memory - wrong) <= SLACK), ""))
         moved = step_bytes(config, dtype, context, cache)
         need = moved / (ms / 1e3)
         known = {1e3 * need: "Hint: ms is thousandths of a second.",

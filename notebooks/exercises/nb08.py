@@ -145,9 +145,11 @@ LONGEST_CASES = [("llama-3.2-3b", 12), ("qwen3-4b", 12), ("qwen2.5-3b", 8), ("sm
 
 
 @check
-def check_longest_int4(fn) -> None:
+def check_longest_int4(fn) -> str:
     """``fn(config, budget_bytes)`` -> the longest int4 context with the copy priced, within one
-    token (the plan also keeps RoPE's 4 * head_dim bytes, under a token's KV)."""
+    token (the plan also keeps RoPE's 4 * head_dim bytes, under a token's KV). Its note answers
+    the notebook's PREDICT question: the tokens the copy costs Qwen3-4B on 12 GiB."""
+    note = ""
     for name, gib in LONGEST_CASES:
         config = load_config(name)
         got = attempt(fn, config, gib * GIB, hide=PLAN)
@@ -170,3 +172,10 @@ def check_longest_int4(fn) -> None:
                f"{want:,} tokens (weights {plan.weights:,} B, KV {plan.kv_per_token:,} B per "
                f"token, copy {copy:,} B per token of context, workspace "
                f"{plan._workspace_at(want):,} B there).", hint(got, known))
+        if name == "qwen3-4b":
+            lost = plan.max_context - want
+            note = (f"{name} on {gib} GiB: {plan.max_context:,} int4 tokens with the copy left "
+                    f"out, {want:,} with it priced: the copy costs {lost:,} tokens "
+                    f"({lost / plan.max_context:.0%}); it is {copy:,} B per token of context "
+                    f"beside int4's {plan.kv_per_token:,} B a token.")
+    return note
