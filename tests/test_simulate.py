@@ -167,7 +167,7 @@ def test_the_math_path_materialises_the_scores(tiny):
     assert "attention" not in fused.at_peak
     built = 64 * 960 * (1 + 2 + 2 + 2 * 2)
     before = weights(tiny) + 1024 * 384 + 1020 * 8 + 1024  # + the cache, the ids, the logits
-    assert built <= fused.peak - before < built + 128  # + RoPE's buffers and a few scalars
+    assert built <= fused.peak - before <= built + 128  # + RoPE's buffers and a few scalars
 
 
 @pytest.mark.parametrize("cache", ["prealloc", "cat"])
