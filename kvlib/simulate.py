@@ -24,6 +24,7 @@ from .meter import MeteredCache, new_storages
 
 __all__ = ["Ledger", "Run", "fits_context", "longest_context", "simulate"]
 
+COMPOSITE = torch._C.DispatchKey.CompositeExplicitAutograd
 TAIL_STEPS = 2  # decode steps a tail run keeps: the last ones, which hold the most
 
 
@@ -41,12 +42,8 @@ def _weights(model) -> int:
 @cache
 def _composite(func) -> bool:
     """Whether a card runs ``func`` as other ops (a composite kernel and no device one), whose
-    temporaries are live together: the math path's ``_safe_softmax`` holds scores-sized ones. An op
-    taking a Scalar stays whole: its composite only wraps the number in a tensor, which would reach
-    this mode as a Python number again, and fail the Tensor overload (int4's ``code & 15``)."""
+    temporaries are live together: the math path's ``_safe_softmax`` holds scores-sized ones."""
     has = torch._C._dispatch_has_kernel_for_dispatch_key
-    if any(a.type.kind() == "NumberType" for a in func._schema.arguments):
-        return False
     return has(func.name(), "CompositeExplicitAutograd") and not has(func.name(), "CPU")
 
 
@@ -66,8 +63,15 @@ class Ledger(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _composite(func):  # its parts run under the ledger
-            with self:
-                out = func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
+            try:
+                with self:
+                    out = func._op_dk(COMPOSITE, *args, **kwargs)
+            except RuntimeError as e:  # a composite that wraps a number in a tensor hands it back
+                # to this mode as a Python number, which its Tensor overload refuses (int4's
+                # ``code & 15``): that op runs whole, refused before anything was allocated
+                if "Expected a value of type 'Tensor'" not in str(e):
+                    raise
+                out = func(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
         new = {k: s for k, s in new_storages(args, kwargs, out).items() if k not in self._live}
