@@ -6,8 +6,14 @@ from exercises import nb04
 from helpers import check_tests
 
 
-def wrong_strides(max_seq, n_kv_heads, head_dim, layout):
-    return (max_seq * head_dim, head_dim, 1)  # the head-major answer for both layouts
+def offset_one_layout(max_seq, n_kv_heads, head_dim, layer, head, slot, layout):
+    # the head-major answer for both layouts
+    return ((layer * n_kv_heads + head) * max_seq + slot) * head_dim
+
+
+def offset_layer_zero(max_seq, n_kv_heads, head_dim, layer, head, slot, layout):
+    # forgets the layers before this one
+    return nb04.view_offset_solution(max_seq, n_kv_heads, head_dim, 0, head, slot, layout)
 
 
 def runs_ignore_heads(n_kv_heads, t, layout):  # misses that one KV head leaves no gaps
@@ -76,7 +82,7 @@ def copying(q, k, v, t):  # right answer, but expands K/V with a copy
 
 
 CASES = [
-    (nb04.check_view_strides, nb04.view_strides_solution, [wrong_strides]),
+    (nb04.check_view_offset, nb04.view_offset_solution, [offset_one_layout, offset_layer_zero]),
     (nb04.check_read_runs, nb04.read_runs_solution, [runs_ignore_heads, runs_swapped]),
     (nb04.check_repeat_kv_limit, nb04.repeat_kv_limit_solution,
      [no_copy, every_layer_copy, kv_heads_copy, no_weights, off_by_one]),
@@ -91,6 +97,12 @@ def test_hints_name_the_known_mistakes(capsys):
     for wrong, words in [(no_copy, "without the copy"), (every_layer_copy, "layer by layer"),
                          (kv_heads_copy, "query heads"), (no_weights, "weights are on the card")]:
         nb04.check_repeat_kv_limit(wrong)
+        assert words in capsys.readouterr().out, wrong.__name__
+
+
+def test_offset_hints_name_the_known_mistakes(capsys):
+    for wrong, words in [(offset_one_layout, "layout='head'"), (offset_layer_zero, "layer 0")]:
+        nb04.check_view_offset(wrong)
         assert words in capsys.readouterr().out, wrong.__name__
 
 

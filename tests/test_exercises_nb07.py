@@ -79,6 +79,24 @@ def kv_floor_heads(config, dtype, tp):  # rounds the heads per GPU down: 0 past 
     return nb07.kv_token_bytes(config.num_hidden_layers, heads, nb07.head_dim(config), dtype)
 
 
+def kv_never_refuses(config, dtype, tp):  # ceil(Hkv / tp) heads even where they cannot share out
+    heads = -(-nb07.kv_heads(config) // tp)
+    return nb07.kv_token_bytes(config.num_hidden_layers, heads, nb07.head_dim(config), dtype)
+
+
+def kv_refuses_vaguely(config, dtype, tp):  # refuses without the numbers
+    try:
+        return nb07.kv_per_gpu_solution(config, dtype, tp)
+    except ValueError:
+        raise ValueError("bad tensor parallelism") from None
+
+
+def kv_refuses_all_past_heads(config, dtype, tp):  # refuses whenever tp exceeds the KV heads
+    if tp > nb07.kv_heads(config):
+        raise ValueError(f"tp={tp} is more than the {nb07.kv_heads(config)} KV heads")
+    return nb07.kv_per_gpu_solution(config, dtype, tp)
+
+
 CASES = [
     (nb07.check_cow_write, nb07.cow_write_solution, [cow_never_copies, cow_always_copies,
                                                      cow_keeps_count, cow_swapped,
@@ -86,7 +104,9 @@ CASES = [
     (nb07.check_fits, nb07.fits_solution, [fits_by_tokens, fits_floor_blocks, fits_skips,
                                            fits_ceil_pool]),
     (nb07.check_kv_per_gpu, nb07.kv_per_gpu_solution, [kv_split_fraction, kv_not_split,
-                                                       kv_floor_heads]),
+                                                       kv_floor_heads, kv_never_refuses,
+                                                       kv_refuses_vaguely,
+                                                       kv_refuses_all_past_heads]),
 ]
 
 test_check = check_tests(nb07, CASES)
@@ -106,3 +126,12 @@ def test_kv_per_gpu_refuses_what_plan_refuses():
     for fn in (nb07.kv_per_gpu_solution, lambda c, d, tp: plan_budget(c, d, 12 * GIB, tp=tp)):
         with pytest.raises(ValueError, match="tp=2 must divide the 9 query heads"):
             fn(config, torch.float32, 2)
+
+
+@pytest.mark.parametrize("name, dtype, tp", nb07.REFUSE_CASES)
+def test_kv_per_gpu_refuses_uneven_heads(name, dtype, tp):
+    """Where tp neither divides the KV heads nor is a multiple, the solution and the plan refuse."""
+    config = load_config(name)
+    for fn in (nb07.kv_per_gpu_solution, lambda c, d, tp: plan_budget(c, d, 12 * GIB, tp=tp)):
+        with pytest.raises(ValueError, match=f"tp={tp} must divide"):
+            fn(config, dtype, tp)

@@ -16,41 +16,56 @@ from kvlib.meter import AllocMeter
 
 from .checking import attempt, check, expect, hint
 
-# --- 1. strides of the view SDPA gets ---------------------------------------------------
+# --- 1a. where a head's key sits in storage ---------------------------------------------
 
-STRIDE_CASES = [  # (max_seq, n_kv_heads, head_dim)
-    (16, 3, 64),  # SmolLM2's KV heads and head_dim, a short cache
-    (1024, 8, 128),  # Qwen3-4B's
-    (7, 2, 5),  # odd numbers catch a formula that only works by accident
+OFFSET_CASES = [  # (max_seq, n_kv_heads, head_dim, layer, head, slot)
+    (16, 3, 64, 1, 2, 5),  # SmolLM2's KV heads and head_dim, a short cache, the second layer
+    (1024, 8, 128, 35, 7, 1000),  # Qwen3-4B's, its last layer
+    (7, 2, 5, 3, 1, 6),  # odd numbers catch a formula that only works by accident
 ]
 
 
-def view_strides_solution(max_seq: int, n_kv_heads: int, head_dim: int, layout: str) -> tuple:
-    """Strides, in elements, of the ``[heads, seq, head_dim]`` dims of ``KVCache.view``."""
+def view_offset_solution(max_seq: int, n_kv_heads: int, head_dim: int, layer: int, head: int,
+                         slot: int, layout: str) -> int:
+    """Offset, in elements from the start of the cache's storage, of ``view(layer, ...)[0, head,
+    slot]``: the layer index times the layer's size, plus the strides of section 2 times the
+    indices. The layers come first in both layouts, so only the inner part differs."""
+    layer_start = layer * max_seq * n_kv_heads * head_dim  # [S, H, D] or [H, S, D]: same size
     if layout == "seq":  # storage [L, S, H, D]: one slot is H*D elements, one head D
-        return (head_dim, n_kv_heads * head_dim, 1)
+        return layer_start + slot * n_kv_heads * head_dim + head * head_dim
     # "head": storage [L, H, S, D]: one head is S*D elements, one slot D
-    return (max_seq * head_dim, head_dim, 1)
+    return layer_start + head * max_seq * head_dim + slot * head_dim
 
 
-def _true_strides(max_seq: int, n_kv_heads: int, head_dim: int, layout: str) -> tuple:
-    cache = KVCache(1, max_seq, n_kv_heads, head_dim, device="meta", dtype=torch.float32,
-                    layout=layout)
-    k, _ = cache.view(0, max_seq)  # [1, H, S, D]
-    return tuple(k.stride()[1:])
+def _true_offset(max_seq: int, n_kv_heads: int, head_dim: int, layer: int, head: int, slot: int,
+                 layout: str) -> int:
+    """Read from a real cache's view (on ``meta``: shapes and strides, no memory)."""
+    cache = KVCache(layer + 1, max_seq, n_kv_heads, head_dim, device="meta",
+                    dtype=torch.float32, layout=layout)
+    k, _ = cache.view(layer, max_seq)  # [1, H, S, D]
+    return k[0, head, slot].storage_offset()
 
 
 @check
-def check_view_strides(fn) -> None:
-    """``fn(max_seq, n_kv_heads, head_dim, layout)`` -> strides of (heads, seq, head_dim)."""
+def check_view_offset(fn) -> None:
+    """``fn(max_seq, n_kv_heads, head_dim, layer, head, slot, layout)`` -> offset in elements."""
     for layout in ("seq", "head"):
-        for max_seq, heads, dim in STRIDE_CASES:
-            got = attempt(fn, max_seq, heads, dim, layout)
-            want = _true_strides(max_seq, heads, dim, layout)
-            expect(tuple(int(x) for x in got) == want,
-                   f"layout={layout!r}, max_seq={max_seq}, kv_heads={heads}, head_dim={dim}: "
-                   f"you said strides {tuple(got)}, the view has {want}. Hint: a stride is how "
-                   f"many elements you skip in storage to move one step along that dim.")
+        other = "head" if layout == "seq" else "seq"
+        for max_seq, heads, dim, layer, head, slot in OFFSET_CASES:
+            got = attempt(fn, max_seq, heads, dim, layer, head, slot, layout)
+            want = _true_offset(max_seq, heads, dim, layer, head, slot, layout)
+            expect(got == want,
+                   f"layout={layout!r}, max_seq={max_seq}, kv_heads={heads}, head_dim={dim}, "
+                   f"layer {layer}, head {head}, slot {slot}: you said offset {got}, the view "
+                   f"has it at {want}.",
+                   hint(got, {
+                       want - layer * max_seq * heads * dim:
+                           "That is layer 0's offset: the layers come first in storage, so "
+                           "skip `layer` whole layers of max_seq * kv_heads * head_dim.",
+                       _true_offset(max_seq, heads, dim, layer, head, slot, other):
+                           f"That is the offset in layout={other!r}: which of slot and head "
+                           f"steps by head_dim in this one?",
+                   }))
 
 
 # --- 1b. runs of memory one head's read makes ------------------------------------------

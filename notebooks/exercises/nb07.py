@@ -139,25 +139,52 @@ def kv_per_gpu_solution(config, dtype: torch.dtype, tp: int) -> int:
     return kv_token_bytes(config.num_hidden_layers, heads, head_dim(config), dtype)
 
 
-TP_CASES = [  # only tp values plan_budget accepts
-    ("qwen3-4b", torch.bfloat16, 1), ("qwen3-4b", torch.bfloat16, 2),
-    ("qwen3-4b", torch.bfloat16, 8), ("qwen3-4b", torch.bfloat16, 16),
-    ("smollm2-135m", torch.float32, 3), ("llama-3.2-3b", torch.float16, 4),
+TP_CASES = [  # only tp values plan_budget accepts; most past the KV heads, which cell 48 never met
+    ("qwen3-4b", torch.bfloat16, 2), ("qwen3-4b", torch.bfloat16, 16),
+    ("qwen2.5-3b", torch.bfloat16, 1), ("qwen2.5-3b", torch.bfloat16, 4),
+    ("qwen2.5-3b", torch.bfloat16, 8), ("smollm2-135m", torch.float32, 9),
+]
+REFUSE_CASES = [  # tp divides the query heads, but neither divides the KV heads nor is a multiple
+    ("llama-3.2-3b", torch.float16, 3), ("llama-3.2-3b", torch.float16, 12),
 ]
 
 
 @check
 def check_kv_per_gpu(fn) -> None:
-    """``fn(config, dtype, tp)`` -> KV bytes per token on each GPU, all layers, K and V."""
+    """``fn(config, dtype, tp)`` -> KV bytes per token on each GPU, all layers, K and V; a
+    ``ValueError`` naming ``tp`` and the KV heads where the heads cannot be shared out evenly."""
     for name, dtype, tp in TP_CASES:
         config = load_config(name)
-        got = attempt(fn, config, dtype, tp)
         want = kv_per_gpu_solution(config, dtype, tp)
         whole = kv_per_gpu_solution(config, dtype, 1)
+        try:
+            got = attempt(fn, config, dtype, tp)
+        except ValueError as err:  # a refusal where the heads do share out: say so, not crash
+            expect(False, f"{name} ({kv_heads(config)} KV heads), tp={tp}: you raised "
+                          f"ValueError({str(err)!r}), want {want:,} B per token per GPU: "
+                          f"{tp} GPUs can share {kv_heads(config)} KV heads.")
         expect(got == want,
                f"{name} ({kv_heads(config)} KV heads) in {str(dtype).removeprefix('torch.')}, "
                f"tp={tp}: you said {got}, want {want:,} B per token per GPU "
                f"({whole:,} B on one GPU).",
                hint(got, {whole / tp: "A GPU cannot hold a fraction of a head: past Hkv GPUs each "
                                       "still holds one whole head.",
-                          whole: "The KV heads are split across the GPUs."}))
+                          whole // tp: "A GPU cannot hold a fraction of a head: past Hkv GPUs each "
+                                       "still holds one whole head.",
+                          whole: "The KV heads are split across the GPUs.",
+                          0: "Rounding the heads down leaves a GPU with none: past Hkv GPUs each "
+                             "still holds one whole head."}))
+    for name, dtype, tp in REFUSE_CASES:
+        config = load_config(name)
+        Hkv = kv_heads(config)
+        where = (f"{name} ({config.num_attention_heads} query heads, {Hkv} KV heads), tp={tp}")
+        try:
+            got = attempt(fn, config, dtype, tp)
+        except ValueError as err:
+            expect(f"tp={tp}" in str(err) and str(Hkv) in str(err),
+                   f"{where}: your ValueError says {str(err)!r}; it should name tp={tp} and the "
+                   f"{Hkv} KV heads, so the reader sees why.")
+            continue
+        expect(False, f"{where}: you returned {got}, want a ValueError: {tp} GPUs cannot "
+                      f"share {Hkv} KV heads evenly ({tp} neither divides {Hkv} nor is a "
+                      "multiple of it).")
