@@ -149,6 +149,9 @@ REFUSE_CASES = [  # tp divides the query heads, but neither divides the KV heads
 ]
 
 
+FRACTION = "A GPU cannot hold a fraction of a head: past Hkv GPUs each still holds one whole head."
+
+
 @check
 def check_kv_per_gpu(fn) -> None:
     """``fn(config, dtype, tp)`` -> KV bytes per token on each GPU, all layers, K and V; a
@@ -167,10 +170,7 @@ def check_kv_per_gpu(fn) -> None:
                f"{name} ({kv_heads(config)} KV heads) in {str(dtype).removeprefix('torch.')}, "
                f"tp={tp}: you said {got}, want {want:,} B per token per GPU "
                f"({whole:,} B on one GPU).",
-               hint(got, {whole / tp: "A GPU cannot hold a fraction of a head: past Hkv GPUs each "
-                                      "still holds one whole head.",
-                          whole // tp: "A GPU cannot hold a fraction of a head: past Hkv GPUs each "
-                                       "still holds one whole head.",
+               hint(got, {whole / tp: FRACTION, whole // tp: FRACTION,  # split past Hkv
                           whole: "The KV heads are split across the GPUs.",
                           0: "Rounding the heads down leaves a GPU with none: past Hkv GPUs each "
                              "still holds one whole head."}))
