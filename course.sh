@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up the course on a fresh machine, then open it or test it.
 #
-#   ./course.sh                      open the notebooks in JupyterLab
+#   ./course.sh [JUPYTER FLAGS]      open the notebooks in JupyterLab; flags go to it
+#                                    (./course.sh --no-browser --port 8899)
 #   ./course.sh test                 run every notebook and test (pytest --nbval notebooks tests)
 #   ./course.sh gpu-check [OUTDIR]   validate the course on a CUDA machine (README: "The GPU check");
 #                                    --dry-run walks it on any machine, SKIPping the CUDA checks
@@ -33,7 +34,16 @@ setup() {
         rm -f "$venv"/.installed-*
         touch "$stamp"
     fi
+    # JupyterLab's autosave would write a half-run notebook over the committed one mid-run;
+    # off here, so a notebook changes on disk only when the learner saves it.
+    settings=$venv/share/jupyter/lab/settings
+    [ -f "$settings/overrides.json" ] || { mkdir -p "$settings"
+        echo '{"@jupyterlab/docmanager-extension:plugin": {"autosave": false}}' \
+            > "$settings/overrides.json"; }
 }
+
+# Only flags (./course.sh --no-browser --port 8899) mean "open" with those flags.
+[ "${1:-}" = "${1#-}" ] || set -- open "$@"
 
 case "${1:-open}" in
     gpu-check)
@@ -61,7 +71,8 @@ case "${1:-open}" in
         shift || true
         # Containers and cloud VMs often run as root, where JupyterLab refuses to start unasked.
         root=(); [ "$(id -u)" = 0 ] && root=(--allow-root)
-        exec "$venv/bin/jupyter" lab notebooks/ ${root[@]+"${root[@]}"} "$@" ;;
+        # COURSE_SH_ECHO=1 prints the command instead (the tests check the argument handling).
+        ${COURSE_SH_ECHO:+echo} exec "$venv/bin/jupyter" lab notebooks/ ${root[@]+"${root[@]}"} "$@" ;;
     test) setup; shift; exec "$py" -m pytest --nbval notebooks tests "$@" ;;
-    *) echo "usage: ./course.sh [open|test|gpu-check [OUTDIR] [--dry-run]|gpu-wheels]" >&2; exit 2 ;;
+    *) echo "usage: ./course.sh [open] [JUPYTER FLAGS] | test [PYTEST ARGS] | gpu-check [OUTDIR] [--dry-run] | gpu-wheels" >&2; exit 2 ;;
 esac

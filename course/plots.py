@@ -131,33 +131,64 @@ def budget_bar(budget: Budget | list[tuple[str, Budget]], context: int, label: s
     """Stacked bars, one per budget: weights, KV at ``context`` tokens, workspace, free.
 
     Segments are annotated in GiB and the budget is a red tick. Where ``context`` does not fit,
-    every
-    segment is still drawn, past the tick, and the bar says by how much it is over.
+    every segment is still drawn, past the tick, and the bar says by how much it is over. A
+    segment's number is drawn only where it fits inside the segment as drawn (the axis spans the
+    widest bar, however far past the budget), so no number sits on the axis or on a neighbour.
     """
     named = [("", budget)] if isinstance(budget, Budget) else list(budget)
     fig, ax = _figure(f"Memory budget at {context:,} tokens", label, "GiB", "",
                       size=(7.0, 1.4 + 0.6 * len(named)))
-    widest = 0.0
+    widest, numbers, notes = 0.0, [], []
     for y, (_, b) in enumerate(named):
         parts, left = b.breakdown(context), 0.0
         for part, name, color in _PARTS:
             width = max(parts[part], 0) / GIB
-            ax.barh(y, width, left=left, color=color, edgecolor="white", label=name)
-            if width > 0.075 * b.budget / GIB:  # a label needs about this much bar to stand apart
-                ax.text(left + width / 2, y, f"{width:.2f}", ha="center", va="center", fontsize=8)
+            (bar,) = ax.barh(y, width, left=left, color=color, edgecolor="white", label=name)
+            if width > 0:
+                text = ax.text(left + width / 2, y, f"{width:.2f}", ha="center", va="center",
+                               fontsize=8)
+                numbers.append((text, bar))
             left += width
         if parts["free"] < 0:
-            ax.text(left, y, f" over by {-parts['free'] / GIB:.2f} GiB", va="center",
-                    color="crimson", fontsize=8)
+            notes.append(ax.text(left, y, f" over by {-parts['free'] / GIB:.2f} GiB", va="center",
+                                 color="crimson", fontsize=8))
         ax.plot([b.budget / GIB] * 2, [y - 0.45, y + 0.45], color="crimson", lw=1.5, label="budget")
         widest = max(widest, left, b.budget / GIB)
     ax.set_yticks(range(len(named)), [n for n, _ in named])
-    ax.set_xlim(0, 1.25 * widest)  # room for the budget tick and the "over by" note
+    ax.set_xlim(0, 1.05 * widest)
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))  # one entry per part, however many bars
+    thin = max(b.breakdown(context)["workspace"] for _, b in named)
+    if thin / GIB < widest / 200:  # under half a per cent of the axis: say so in its entry
+        unique = {(f"workspace (up to {thin / MIB:.0f} MiB, too thin to see)" if k == "workspace"
+                   else k): h for k, h in unique.items()}
     fig.legend(unique.values(), unique.keys(), fontsize=8, ncols=len(unique),
                loc="outside lower center")
+    _fit_bar_texts(fig, ax, numbers, notes)
     return fig
+
+
+def _fit_bar_texts(fig: Figure, ax, numbers: list, notes: list) -> None:
+    """Widen the axis until every "over by" note ends inside it, then drop each segment number
+    that does not fit inside its segment as drawn: both are measured on the laid-out figure."""
+    renderer = fig.canvas.get_renderer() if hasattr(fig.canvas, "get_renderer") else None
+    if renderer is None:  # a bare Figure has no renderer until a canvas is attached
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        renderer = FigureCanvasAgg(fig).get_renderer()
+    for _ in range(3):  # the layout moves the axes a little each time the limits change
+        fig.draw_without_rendering()
+        right = ax.get_window_extent(renderer).x1
+        over = max((t.get_window_extent(renderer).x1 - right for t in notes), default=0)
+        if over <= 0:
+            break
+        lo, hi = ax.get_xlim()
+        ax.set_xlim(lo, hi * (1 + 1.1 * over / ax.get_window_extent(renderer).width))
+    fig.draw_without_rendering()
+    for text, bar in numbers:
+        inside, room = text.get_window_extent(renderer), bar.get_window_extent(renderer)
+        if inside.x0 < room.x0 + 2 or inside.x1 > room.x1 - 2:  # 2 px of margin either side
+            text.remove()
 
 
 def against_floor(contexts: Sequence[int], measured_ms: Sequence[float], floor_ms: Sequence[float],

@@ -12,8 +12,9 @@ Shapes are written in one axis legend, here and in every shape comment:
 
 from .cache import Cache
 from .cat_cache import CatCache
-from .decoder import forward, forward_static
+from .decoder import forward
 from .env import auto_dtype, default_device, label
+from .graphs import forward_static
 from .kv_cache import KVCache
 from .loop import Generation, generate
 from .meter import AllocMeter, MeteredCache

@@ -10,7 +10,7 @@ from functools import partial
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from .config import GIB, MIB, head_dim, kv_bytes_per_token, kv_heads, load_config
+from .config import GIB, MIB, head_dim, kv_bytes, kv_bytes_per_token, kv_heads, load_config
 from .memory import largest
 
 __all__ = ["ATTENTION", "Budget", "meta_model", "param_count", "plan_budget", "run_workspace",
@@ -58,36 +58,50 @@ ATTENTION = ("fused", "math")  # the kernels a plan prices: fused (flash, memory
 
 
 def workspace_phases(config: PretrainedConfig, dtype: torch.dtype, tokens: int = 1, *,
-                     attention: str = "fused",
-                     cache: str = "prealloc") -> dict[str, tuple[int, int]]:
-    """Transient bytes of each phase of kvlib's forward that can peak: ``(fixed, per token)``.
+                     attention: str = "fused", cache: str = "prealloc",
+                     batch: int = 1) -> dict[str, tuple[int, int]]:
+    """Transient bytes of each phase of kvlib's forward that can peak: ``(fixed, per token)``, for
+    ``batch`` requests of n = ``tokens`` each after S cached ones (per token: of one's S).
 
-    A chunk of n = ``tokens`` after S cached ones holds, all forward long, the mask
-    ``[group * n, S]`` built once for all layers, and small activations. On top, one at a time:
-    ``mask`` (while it is built: the visibility ``[n, S]``, zeros and their masked copy);
-    ``attention`` (fused: output, log-sum-exp and a padded mask copy; math: q, K, V in fp32, the
-    scores and softmax ``[Hq, n, S]`` in fp32); ``decode`` (math: K and V upcast and copied per
-    query head); ``cat`` (a layer's old K while the longer one is built); ``mlp`` (gate, up,
-    product); ``logits`` (and an fp32 copy).
+    All forward long: the residual and its norm, RoPE's cos and sin, positions and ids (int64), the
+    last logits; and, where no fused kernel takes the causal rule itself (math; fp32 with grouped
+    heads), each request's mask ``[group * n, S]``, built once for all layers. On top, one at a
+    time: ``mask`` (while one is built: the visibility ``[n, S]``, zeros, their masked copy);
+    ``attention`` (the last request's: q, k, v, the outputs so far; fused: log-sum-exp and, masked,
+    the folded q and a padded mask copy; math: the folded q, it and K, V in fp32, the scores and
+    softmax ``[Hq, n, S]`` in fp32, their -inf tests); ``scores`` (math, as they are made: with K
+    scaled, which peaks a decode step); ``cat`` (a layer's old V while the longer one is built);
+    ``mlp`` (gate, up, product); ``norm`` (Qwen3's q_norm, in fp32); ``logits`` (and an fp32 copy).
     """
     if attention not in ATTENTION or cache not in ("prealloc", "cat"):
         raise ValueError(f"attention must be one of {ATTENTION} and cache prealloc or cat, "
                          f"got {attention!r}, {cache!r}")
-    e, n, d, V = dtype.itemsize, tokens, config.hidden_size, config.vocab_size
+    e, n, B, d, V = dtype.itemsize, tokens, batch, config.hidden_size, config.vocab_size
     Hq, Hkv, D = config.num_attention_heads, kv_heads(config), head_dim(config)
     g = Hq // Hkv
-    held = n * g * e  # per token of context: the mask (the visibility is freed once it is built)
-    act = n * e * (2 * d + 2 * Hq * D + 2 * Hkv * D) + V * e
-    phases = {"mask": (V * e, n * (1 + (2 + g) * e)),
-              "mlp": (act + 3 * n * config.intermediate_size * e, held),
-              "logits": (act + V * (e + 4 if e < 4 else e), held)}
-    if attention == "fused":  # + output, log-sum-exp, the mask padded by up to 8 columns
-        phases["attention"] = (act + n * Hq * (D * e + 4) + g * n * 8 * e, held + g * n * e)
-    else:  # + q (twice), K, V in fp32; scores and softmax in fp32, the -inf test in bool
-        phases["attention"] = (act + 2 * n * Hq * D * 4, held + 2 * Hkv * D * 4 + Hq * n * 9)
-        phases["decode"] = (V * e, (2 * Hkv + 3 * Hq) * D * 4)
-    if cache == "cat":
-        phases["cat"] = (act, held + Hkv * D * e)
+    masked = attention == "math" or (g > 1 and dtype not in (torch.float16, torch.bfloat16))
+    held = B * n * g * e if masked else 0  # per token of context: every request's mask
+    base = B * n * (2 * d * e + 2 * D * e + 16) + B * V * e
+    out, qkv = n * Hq * D * e, B * n * (Hq + 2 * Hkv) * D * e  # out: one request's [n, Hq, D]
+    phases = {"mlp": (base + 3 * B * n * config.intermediate_size * e, held),
+              "logits": (base + B * V * (e + 4 if e < 4 else e), held)}
+    if config.model_type == "qwen3":  # q_norm: q in fp32 (a copy unless it is), its product, and
+        # its mean square and rsqrt [n, Hq]
+        phases["norm"] = (base + qkv + B * n * Hq * (D * (8 if e < 4 else 4) + 8), held)
+    qkv += (B - 1) * out  # from the attention on: + the earlier requests' outputs
+    if masked:
+        phases["mask"] = (B * V * e, held - n * g * e + n * (1 + (2 + g) * e))
+    if attention == "fused":  # + output, log-sum-exp; masked: the folded q, the mask padded by 8
+        fold = (out + g * n * 8 * e, g * n * e) if masked else (0, 0)
+        phases["attention"] = (base + qkv + out + n * Hq * 4 + fold[0], held + fold[1])
+    else:  # + q folded, in fp32, scaled; K, V in fp32; scores, softmax; their -inf tests in bool
+        fixed = base + qkv + out + 2 * n * Hq * D * 4 + 4  # + the scale, an fp32 scalar
+        phases["attention"] = (fixed + n * Hq, held + 2 * Hkv * D * 4 + Hq * n * 9)
+        phases["scores"] = (fixed, held + 3 * Hkv * D * 4 + Hq * n * 4)  # + K scaled, scores
+    if cache == "cat":  # the old V holds the S cached slots but not the n new ones
+        phases["cat"] = (base + qkv - n * Hkv * D * e, held + Hkv * D * e)
+        if "norm" in phases:  # before its write: the last layer's KV lacks the n new slots
+            phases["norm"] = (phases["norm"][0] - B * n * 2 * Hkv * D * e, held)
     return phases
 
 
@@ -95,8 +109,8 @@ def workspace_bytes(config: PretrainedConfig, dtype: torch.dtype, tokens: int = 
                     batch: int = 1, *, context: int = 0, attention: str = "fused",
                     cache: str = "prealloc") -> int:
     """Transient bytes of one forward: the largest of :func:`workspace_phases` (never all live)."""
-    phases = workspace_phases(config, dtype, tokens, attention=attention, cache=cache)
-    return batch * max(fixed + per_token * context for fixed, per_token in phases.values())
+    phases = workspace_phases(config, dtype, tokens, attention=attention, cache=cache, batch=batch)
+    return max(fixed + per_token * context for fixed, per_token in phases.values())
 
 
 def run_workspace(config: PretrainedConfig, dtype: torch.dtype, context: int,
@@ -119,19 +133,22 @@ def run_workspace(config: PretrainedConfig, dtype: torch.dtype, context: int,
 class Budget:
     """Fixed weights, KV per token, and ``workspace_at(context)``, under ``budget`` (what the
     allocator may hold); ``max_context`` and its ``workspace`` are computed once, for ``asdict``.
-    A paged cache reserves KV in whole blocks of ``block`` tokens (1: exactly the tokens)."""
+    A paged cache reserves KV in whole blocks of ``block`` tokens (1: exactly the tokens).
+    ``kv_at(tokens)`` prices KV that stops growing (windowed layers): ``kv_per_token`` past it."""
 
     weights: int
     kv_per_token: int
     budget: int
     workspace_at: InitVar[Callable[[int], int] | None] = None
     block: int = 1
+    kv_at: InitVar[Callable[[int], int] | None] = None
     max_context: int = field(init=False)
     workspace: int = field(init=False)
 
-    def __post_init__(self, workspace_at) -> None:
+    def __post_init__(self, workspace_at, kv_at) -> None:
         object.__setattr__(self, "_workspace_at", workspace_at or (lambda context: 0))
-        hi = max(1, (self.budget - self.weights) // self.kv_per_token + 1)  # the KV alone
+        object.__setattr__(self, "_kv_at", kv_at or (lambda tokens: self.kv_per_token * tokens))
+        hi = max(1, (self.budget - self.weights) // max(1, self.kv_per_token) + 1)  # the KV alone
         lo = largest(lambda n: self.breakdown(n)["free"] >= 0, hi)  # the workspace grows too
         object.__setattr__(self, "max_context", lo)
         object.__setattr__(self, "workspace", self._workspace_at(lo))
@@ -139,7 +156,7 @@ class Budget:
     def breakdown(self, context: int) -> dict[str, int]:
         """Bytes of each part at ``context`` tokens; ``free`` is negative past ``max_context``."""
         slots = -(-context // self.block) * self.block  # the last block is reserved whole
-        kv, workspace = self.kv_per_token * slots, self._workspace_at(context)
+        kv, workspace = self._kv_at(slots), self._workspace_at(context)
         free = self.budget - self.weights - kv - workspace
         return {"weights": self.weights, "kv": kv, "workspace": workspace, "free": free}
 
@@ -155,6 +172,17 @@ def plan_budget(config: PretrainedConfig, dtype: torch.dtype, budget_bytes: int,
     """The :class:`Budget` of ``config`` in ``dtype`` for kvlib's token loop; ``attention``:
     ``"fused"`` (sm >= 8.0) or ``"math"``, where kernels fall back (``cards.sdpa_kernel``).
 
+    The guarantee: ``max_context`` runs on :mod:`kvlib.simulate`'s card (live tensor bytes, op by
+    op), ``batch`` requests of a prompt and its new tokens, at any ``prefill_chunk``; 1% more does
+    not. It prices every tensor the loop holds: weights, RoPE's buffers, KV, the prompt's ids, each
+    phase's activations, masks, the kernels' outputs and the math path's scores. Where a run's
+    peak is a chunk, the plan is the card's limit to the token; it prices a prompt of the whole
+    context, so it may fall a few tokens short. Not priced, and left to a real card's budget: the
+    allocator's rounding and cache, the CUDA context (outside the allocator), and libraries'
+    workspaces. On the H200 (``figures/h200/``), 118.1 MiB was held beyond the weights before a
+    run (64 MiB of it with the first forwards, the size of two cuBLAS workspaces) and 28.0 MiB was
+    reserved beyond the allocated peak.
+
     ``budget_bytes`` is one GPU's. With ``tp`` GPUs (tensor parallel) each holds ``1 / tp`` of the
     weights and of the KV heads, down to one head: a head cannot be split, so past ``Hkv`` GPUs
     heads are copied. The workspace is priced whole, an upper bound for a share of the heads."""
@@ -169,6 +197,7 @@ def plan_budget(config: PretrainedConfig, dtype: torch.dtype, budget_bytes: int,
     workspace = partial(run_workspace, config, dtype, prefill_chunk=prefill_chunk, batch=batch,
                         attention=attention, cache=cache)
     rope = 4 * head_dim(config)  # RoPE's inverse frequencies: two fp32 buffers of D / 2
-    kv = kv_bytes_per_token(config, dtype, batch) * max(1, Hkv // tp) // Hkv
+    share = max(1, Hkv // tp)  # the KV heads each GPU holds
+    kv = kv_bytes_per_token(config, dtype, batch) * share // Hkv
     return Budget(weight_bytes(config, dtype) // tp + rope, kv, int(budget_bytes), workspace,
-                  block)
+                  block, lambda n: kv_bytes(config, dtype, n, batch) * share // Hkv)

@@ -1,6 +1,8 @@
 """The contract every cache keeps, written once: a new cache is one module that satisfies it and
 plugs into the loop, the meter and the static step without a branch. A step writes ``[n, Hkv, D]``
 per layer at ``start``, reads ``[1, Hkv, S, D]``; the loop advances ``seq_len`` after every layer.
+Rollback is part of the contract where a cache offers ``crop(seq_len)``: afterwards it reads exactly
+as if only its first ``seq_len`` tokens had ever been written (speculative decoding relies on it).
 """
 
 from collections.abc import Callable
@@ -10,7 +12,7 @@ import torch
 
 from .config import kv_token_bytes
 
-__all__ = ["Cache", "bytes_per_token", "check_kv", "check_view"]
+__all__ = ["Cache", "bytes_per_token", "check_crop", "check_kv", "check_view"]
 
 
 @runtime_checkable
@@ -72,3 +74,9 @@ def check_view(cache: Cache, layer: int, seq: int, held: Callable[[], int], wher
         raise IndexError(f"layer {layer} out of range for n_layers={cache.n_layers}")
     if not 0 <= seq <= held():
         raise ValueError(f"view of {seq} slots from {where.format(held())}")
+
+
+def check_crop(cache: Cache, seq_len: int) -> None:
+    """Refuse a crop to more slots than the cache holds, or fewer than none, before any change."""
+    if not 0 <= seq_len <= cache.seq_len:
+        raise ValueError(f"crop to {seq_len} slots: the cache holds {cache.seq_len}")

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
+from torch.nn.attention.bias import CausalBias
 from torch.overrides import TorchFunctionMode
 from transformers import PretrainedConfig
 
@@ -98,9 +100,14 @@ def fused_sdpa(q: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
     return out
 
 
+_BACKEND = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "math": SDPBackend.MATH}  # what torch's chooser answers
+
+
 class Kernels(TorchFunctionMode):
-    """Route each SDPA call as :func:`sdpa_kernel` at ``sm`` would (or to the math path), the
-    mask and the kernel's bytes to regions of the ``ledger``; ``counts`` tallies the kernels."""
+    """Route each SDPA call as :func:`sdpa_kernel` at ``sm`` would (or to the math path), and
+    answer torch's chooser so; the mask and the kernel's bytes go to regions of the ``ledger``;
+    ``counts`` tallies the kernels."""
 
     def __init__(self, ledger, sm: float, attention: str = "auto") -> None:
         super().__init__()
@@ -109,12 +116,15 @@ class Kernels(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
+        if func not in (F.scaled_dot_product_attention, torch._fused_sdp_choice):
             return func(*args, **kwargs)
         q, k, v = args[:3]
-        mask = kwargs.get("attn_mask")
+        mask = kwargs.get("attn_mask")  # a causal rule is no tensor: the kernel applies it
+        mask = None if isinstance(mask, CausalBias) else mask
         kind = "math" if self.attention == "math" else sdpa_kernel(
             self.sm, q, k, mask, kwargs.get("enable_gqa", False))
+        if func is torch._fused_sdp_choice:  # the decoder asks which kernel a call would get
+            return int(_BACKEND[kind])
         self.counts[kind] = self.counts.get(kind, 0) + 1
         if mask is not None:
             self.ledger.relabel(mask, "mask")

@@ -4,7 +4,7 @@ tensors, and each new token makes new ones of ``S + 1`` slots, copying the old c
 
 import torch
 
-from .cache import bytes_per_token, check_kv, check_view
+from .cache import bytes_per_token, check_crop, check_kv, check_view
 from .config import MIB, head_dim, kv_heads
 from .env import default_device
 
@@ -43,6 +43,12 @@ class CatCache:
         """New request: drop every layer's tensors (the allocator may keep the blocks)."""
         self.k, self.v = [self._empty] * self.n_layers, [self._empty] * self.n_layers
         self.seq_len = 0
+
+    def crop(self, seq_len: int) -> None:
+        """Keep the first ``seq_len`` slots of every layer (views: the next write copies them)."""
+        check_crop(self, seq_len)
+        self.k, self.v = ([t[:, :, :seq_len] for t in kv] for kv in (self.k, self.v))
+        self.seq_len = seq_len
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``[n, Hkv, D]``: allocate ``start + n`` slots, copy all."""

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-__all__ = ["GIB", "MIB", "head_dim", "kv_bytes_per_token", "kv_heads", "kv_token_bytes",
+__all__ = ["GIB", "MIB", "head_dim", "kv_bytes", "kv_bytes_per_token", "kv_heads", "kv_token_bytes",
            "load_config", "shipped_configs", "size"]
 
 MIB = 1024 * 1024
@@ -27,9 +27,9 @@ def shipped_configs() -> list[str]:
 
 
 def load_config(name: str) -> PretrainedConfig:
-    """A shipped config by name ("qwen3-4b", ...): no network, no weights."""
-    path = CONFIG_DIR / f"{name}.json"
-    if not path.is_file():
+    """A shipped config by name ("qwen3-4b", ...), or one of ``configs/formats/``, which only
+    price KV formats (MLA, windows): no network, no weights."""
+    if (path := next(CONFIG_DIR.glob(f"**/{name}.json"), None)) is None:
         raise ValueError(f"no shipped config {name!r}; shipped: {', '.join(shipped_configs())}")
     return AutoConfig.for_model(**json.loads(path.read_text()))
 
@@ -50,7 +50,25 @@ def kv_token_bytes(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.d
     return 2 * n_layers * n_kv_heads * head_dim * dtype.itemsize
 
 
-def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, batch: int = 1) -> int:
-    """:func:`kv_token_bytes` of a config, for ``batch`` sequences."""
-    L, Hkv, D = config.num_hidden_layers, kv_heads(config), head_dim(config)
-    return batch * kv_token_bytes(L, Hkv, D, dtype)
+def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, batch: int = 1,
+                       context: int | None = None) -> int:
+    """What one more token adds, for ``batch`` sequences, to a cache of ``context`` (None: past
+    every window), priced by design: layers that reuse an earlier layer's K/V (the last
+    ``num_kv_shared_layers``, transformers' ``KVSharingDict``) add nothing, nor does a
+    ``sliding_attention`` layer (Gemma 3, gpt-oss) past ``sliding_window``; multi-head latent
+    attention (DeepSeek-V2/V3) caches one latent of ``kv_lora_rank`` and one RoPE key shared by the
+    heads, no K and V per head; the others, :func:`kv_token_bytes`."""
+    L = config.num_hidden_layers
+    owned = (getattr(config, "layer_types", None) or ["full_attention"] * L)[
+        :L - (getattr(config, "num_kv_shared_layers", 0) or 0)]
+    grows = context is not None and context < (getattr(config, "sliding_window", None) or 0)
+    n = sum(t != "sliding_attention" or grows for t in owned)
+    if rank := getattr(config, "kv_lora_rank", None):
+        return batch * n * (rank + config.qk_rope_head_dim) * dtype.itemsize
+    return batch * kv_token_bytes(n, kv_heads(config), head_dim(config), dtype)
+
+
+def kv_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int, batch: int = 1) -> int:
+    """KV of ``context`` tokens: the windowed layers hold ``sliding_window`` of them at most."""
+    past, held = (kv_bytes_per_token(config, dtype, batch, c) for c in (None, 0))
+    return past * context + (held - past) * min(context, getattr(config, "sliding_window", 0) or 0)

@@ -4,8 +4,9 @@ batch packs every request's tokens into one row ``[1, N]``: the weights are read
 
 Grouped-query attention is never expanded with a copy. Where a query sees every slot (decode), each
 KV head's query heads are folded into rows, ``[1, Hkv, group * n, D]``, a call every fused kernel
-takes. A prefill from an empty cache is causal with ``enable_gqa`` where a fused kernel takes it;
-otherwise it is folded with a mask. cuDNN attention is off: it plans every new shape.
+takes. A prefill chunk, after cached slots or not, is causal with ``enable_gqa`` by the kernel's own
+bottom-right rule, no mask in memory, where a fused kernel takes it; otherwise it is folded with a
+mask. cuDNN attention is off: it plans every new shape.
 """
 
 import functools
@@ -17,10 +18,13 @@ from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
+from torch.nn.attention.bias import causal_lower_right
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .cache import Cache
 
-__all__ = ["check_supported", "forward", "forward_static"]
+__all__ = ["check_supported", "forward"]
 
 # What the loop computes: a pre-norm decoder of these parts (must have, may have) and nothing else.
 # Anything more (extra norms, attention sinks) changes the numbers, so it is refused by name.
@@ -79,10 +83,19 @@ def check_supported(model, window: int | None = None) -> None:
                                   f"not {have}")
 
 
-@functools.cache
-def _gqa_fused(device: torch.device) -> bool:
-    """Does a fused kernel take ``enable_gqa`` here? The CPU's flash and CUDA's (sm >= 8.0) do."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
+def _causal_fused(model, device: torch.device) -> bool:
+    """Does a fused kernel take a chunk's causal rule itself, grouped heads unfolded, no mask? Asked
+    of the chooser that ``scaled_dot_product_attention`` consults (a simulated card answers as its
+    dispatcher would): flash takes ``causal_lower_right`` with grouped heads, the memory-efficient
+    kernel without them; math would materialise the mask and copy K and V per query head. The CPU's
+    flash answers yes, and takes the rule as a ``[n, S]`` bool mask."""
+    c, D = model.config, model.model.layers[0].self_attn.head_dim
+    probe = torch.empty(D, dtype=model.dtype, device=device)  # the chooser reads shapes, not data
+    q, kv = (probe.expand(1, h, 1, D) for h in (c.num_attention_heads, c.num_key_value_heads))
+    with _no_cudnn_attention(device):
+        kind = torch._fused_sdp_choice(q, kv, kv, enable_gqa=True)
+    return kind == int(SDPBackend.FLASH_ATTENTION) or (
+        kind == int(SDPBackend.EFFICIENT_ATTENTION) and q.shape[1] == kv.shape[1])
 
 
 @contextmanager
@@ -107,8 +120,8 @@ class _Pass:
     cache: Cache
     write: Callable[[Cache, int, torch.Tensor, torch.Tensor], None]  # (cache, layer, k, v)
     end: int  # slots read: 0..end
-    mask: torch.Tensor | None  # [group * n, end] additive, for the folded rows; None: no mask
-    causal: bool  # unfolded, is_causal, enable_gqa
+    mask: torch.Tensor | None  # [group * n, end] additive, folded rows; or the causal rule; or None
+    causal: bool  # unfolded, enable_gqa, ``mask`` is ``causal_lower_right``: no mask in memory
 
 
 @functools.cache
@@ -128,8 +141,8 @@ def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
     p.write(p.cache, layer, k, v)
     keys, values = p.cache.view(layer, p.end)  # [1, Hkv, S, D]
     q = q.transpose(1, 2)  # [1, Hq, n, D]; query head h reads KV head h // group
-    if p.causal:
-        o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=attn.scaling,
+    if p.causal:  # query i sees slots up to end - n + i: the bottom-right causal rule
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=p.mask, scale=attn.scaling,
                                            enable_gqa=True)
     else:  # fold each KV head's group of query heads into rows: [1, Hkv, group * n, D]
         o = F.scaled_dot_product_attention(q.reshape(1, keys.shape[1], -1, D), keys, values,
@@ -181,13 +194,15 @@ def _eager_pass(model, cache: Cache, start: int, rows: slice) -> _Pass:
     end = start + n
     # A cache that holds some positions only (a ring) says which of its keys each query sees.
     band = getattr(cache, "visible", None)
-    causal = n > 1 and start == 0 and band is None and _gqa_fused(device)
-    visible = None  # a decode step (one query sees every slot the cache hands out) needs no mask
+    causal = n > 1 and band is None and _causal_fused(model, device)
+    # The kernel's own rule, a tensor subclass, which no dispatch mode (a simulated card's ledger)
+    # lets be made. A decode step (one query sees every slot it reads) needs no mask.
+    with _disable_current_modes():
+        mask = causal_lower_right(n, end) if causal else None
     if n > 1 and not causal:  # causal, offset by `start`, unless the cache knows better
-        visible = band(start, n) if band else torch.ones(n, end, dtype=torch.bool,
-                                                         device=device).tril(start)
-    return _Pass(rows=rows, cache=cache, end=end, causal=causal,
-                 mask=None if visible is None else _mask(model, visible),
+        mask = _mask(model, band(start, n) if band else torch.ones(n, end, dtype=torch.bool,
+                                                                   device=device).tril(start))
+    return _Pass(rows=rows, cache=cache, end=end, causal=causal, mask=mask,
                  write=lambda c, layer, k, v: c.write(layer, start, k, v))
 
 
@@ -211,14 +226,3 @@ def forward(model, ids, cache, start) -> torch.Tensor:
     for p in passes:
         p.cache.seq_len = p.end
     return logits
-
-
-@torch.no_grad()
-def forward_static(model, token: torch.Tensor, cache: Cache, pos: torch.Tensor,
-                   span: int) -> torch.Tensor:
-    """One token at the device position ``pos`` ``[1]``, reading ``span`` slots, masked: nothing
-    reads ``pos`` on the host, so a graph replays it anywhere, and the caller sets ``seq_len``."""
-    visible = (torch.arange(span, device=token.device) <= pos).view(1, span)
-    step = _Pass(rows=slice(0, 1), cache=cache, end=span, causal=False, mask=_mask(model, visible),
-                 write=lambda c, layer, k, v: c.write_at(layer, pos, k, v))
-    return _run(model, token, pos.view(1, 1), [step])

@@ -5,19 +5,26 @@ shape: the preallocated cache, fixed token and position buffers, and attention o
 ``span`` of slots, masked past the position. Spans come in buckets, between a new shape every step
 and reading all ``max_seq`` slots every step. Sampling stays outside (its RNG state would freeze),
 and nothing reads a device value on the host: a replay would reuse the capture's answer.
+
+A graph removes launches, not kernels (microseconds each), so the step runs few per layer: fused
+matmuls over weights held once, RoPE as one matmul, ``F.rms_norm``, split-KV attention.
 """
 
 import functools
 import gc
 
 import torch
+import torch.nn.functional as F
 
-from .decoder import forward_static
+from .attention import attend, splits
+from .decoder import _no_cudnn_attention, _parts, _rope_of
 from .env import resolve
 
-__all__ = ["StaticStep", "capture_graph"]
+__all__ = ["StaticStep", "capture_graph", "forward_static", "fuse"]
 
 HOST_WAIT_ROPE = ("dynamic", "longrope")  # rotary updates that compare a position on the host
+QKV, QK_NORMS = ("q_proj", "k_proj", "v_proj"), ("q_norm", "k_norm")
+GATE_UP, MLP = ("gate_proj", "up_proj"), {"gate_proj", "up_proj", "down_proj", "act_fn"}
 
 
 def _host_wait_rope(model) -> str | None:
@@ -30,11 +37,106 @@ def _host_wait_rope(model) -> str | None:
     return None
 
 
+def _norm(norm, x: torch.Tensor) -> torch.Tensor:
+    eps = getattr(norm, "variance_epsilon", None)  # Llama's RMSNorm and copies; not Gemma's 1 + w
+    return norm(x) if eps is None else F.rms_norm(x, norm.weight.shape, norm.weight, eps)
+
+
+@torch.no_grad()
+def fuse(model) -> None:
+    """Each layer's q/k/v (and gate/up) weights and biases as one tensor, of which theirs are
+    views: one matmul, each byte held once; again if they share it no more (``model.to``)."""
+    model.model._kvlib_rope = _rope_of(type(model.model.layers[0].self_attn))
+    for module, names in [(m, n) for layer in model.model.layers for m, n in (
+            (layer.self_attn, QKV), (layer.mlp, GATE_UP if _parts(layer.mlp) == MLP else ()))]:
+        layers, have = [getattr(module, n) for n in names], getattr(module, "_kvlib_fused", [None])
+        if all(have[0] is not None and m.weight.untyped_storage()._cdata ==
+               have[0].untyped_storage()._cdata for m in layers):
+            continue  # fused already, or an MLP of another kind
+        module._kvlib_fused = []
+        for kind in ("weight", "bias"):
+            parts, at = [getattr(m, kind) for m in layers], 0
+            whole = None if parts[0] is None else torch.cat([p.detach() for p in parts])
+            for m, p in zip(layers, parts if whole is not None else ()):
+                setattr(m, kind, torch.nn.Parameter(whole[at : at + len(p)], p.requires_grad))
+                at += len(p)
+            module._kvlib_fused.append(whole)
+
+
+def _rotations(model, x: torch.Tensor, pos: torch.Tensor, group: int) -> list[torch.Tensor]:
+    """Per layer, ``R`` with ``rope(x) = x @ R`` at ``pos``: the model's own RoPE of an identity.
+    RMS q/k norms fold in: ``diag(w) @ R``, ``[group + 1, D, D]``, group x Hkv queries, Hkv keys."""
+    body, attns = model.model, [layer.self_attn for layer in model.model.layers]
+    eye = torch.eye(attns[0].head_dim, dtype=x.dtype, device=x.device)[None, None]
+    cos, sin = body.rotary_emb(x, pos.view(1, 1))  # [1, 1, D], scaling included
+    R = body._kvlib_rope(eye, eye[:, :, :0], cos, sin, unsqueeze_dim=2)[0][0, 0]
+    eps = {getattr(getattr(a, n, 0), "variance_epsilon", None) for a in attns for n in QK_NORMS}
+    if len(eps) > 1 or None in eps:  # no q/k norms, or not all RMS with one eps: R alone
+        return [R] * len(attns)
+    D = len(R)
+    w = torch.stack([n.weight for a in attns for n in [a.q_norm] * group + [a.k_norm]])
+    return list((w.view(len(attns), group + 1, D, 1) * R).unbind())
+
+
+def _add_linear(x: torch.Tensor, h: torch.Tensor, linear) -> torch.Tensor:
+    """``x + linear(h)``: one kernel (``addmm``) for a linear without bias."""
+    return x + linear(h) if linear.bias is not None else torch.addmm(x, h, linear.weight.t())
+
+
+def _layer(layer, x: torch.Tensor, i: int, R: torch.Tensor, attention, cache,
+           pos: torch.Tensor, span: int) -> torch.Tensor:
+    """One decoder layer for one token ``x`` ``[1, d]``."""
+    attn, mlp, Hkv = layer.self_attn, layer.mlp, cache.n_kv_heads
+    D = attn.head_dim
+    heads = F.linear(_norm(layer.input_layernorm, x), *attn._kvlib_fused).view(-1, D)
+    qk, v = heads[:-Hkv], heads[-Hkv:]  # views: [Hq + Hkv, D], [Hkv, D]
+    if R.dim() == 3:  # [group + 1, D, D]: the q/k norms' weights are in R
+        eps = attn.q_norm.variance_epsilon
+        qk = torch.bmm(F.rms_norm(qk, (D,), eps=eps).view(len(R), Hkv, D), R).view(-1, D)
+    else:
+        if hasattr(attn, "q_norm"):  # norms of another kind: the model's own
+            qk = torch.cat([attn.q_norm(qk[:-Hkv]), attn.k_norm(qk[-Hkv:])])
+        qk = qk @ R
+    cache.write_at(i, pos, qk[None, -Hkv:], v[None])
+    o = attention(qk[:-Hkv].view(Hkv, -1, D), *cache.view(i, span), attn.scaling)
+    x = _add_linear(x, o.view(1, -1), attn.o_proj)
+    h = _norm(layer.post_attention_layernorm, x)
+    if getattr(mlp, "_kvlib_fused", None) is None:
+        return x + mlp(h)
+    gate, up = F.linear(h, *mlp._kvlib_fused).chunk(2, -1)
+    return _add_linear(x, mlp.act_fn(gate) * up, mlp.down_proj)
+
+
+def _step(model, token, cache, pos: torch.Tensor, span: int, attention, P: int) -> torch.Tensor:
+    """The static step of a fused model (:func:`fuse`): logits ``[1, V]``."""
+    body, Hkv = model.model, cache.n_kv_heads
+    x = body.embed_tokens(token)[0]  # [1, d]
+    rotations = _rotations(model, x, pos, model.config.num_attention_heads // Hkv)
+    step_attention = attend(attention, pos, span, P, x.dtype)
+    with _no_cudnn_attention(x.device):
+        for i, layer in enumerate(body.layers):
+            x = _layer(layer, x, i, rotations[i], step_attention, cache, pos, span)
+    return model.lm_head(_norm(body.norm, x))
+
+
+@torch.no_grad()
+def forward_static(model, token: torch.Tensor, cache, pos: torch.Tensor, span: int,
+                   attention="split") -> torch.Tensor:
+    """One token at the device position ``pos`` ``[1]``, reading ``span`` slots, masked: nothing
+    reads ``pos`` on the host, so a graph replays it anywhere, and the caller sets ``seq_len``."""
+    fuse(model)
+    P = splits(span, cache.n_kv_heads, cache.device)
+    return _step(model, token, cache, pos, span, attention, P)
+
+
 class StaticStep:
     """``step(token [1, 1], pos) -> logits [1, V]``, the graph's output buffer, which the next call
-    overwrites. ``capture=False`` runs it uncaptured, on any device."""
+    overwrites. ``capture=False`` runs it uncaptured, on any device. ``attention``: see
+    :func:`kvlib.attention.attend`. ``compile``: True (inductor) or a backend's name compiles the
+    step whole (``fullgraph``), once per span: never again within a bucket."""
 
-    def __init__(self, model, cache, *, bucket: int = 256, capture: bool | None = None) -> None:
+    def __init__(self, model, cache, *, bucket: int = 256, capture: bool | None = None,
+                 attention="split", compile: bool | str = False) -> None:
         if not hasattr(cache, "write_at"):
             raise TypeError(f"static shapes need a preallocated cache, not {type(cache).__name__}")
         device = cache.device
@@ -46,7 +148,14 @@ class StaticStep:
             raise NotImplementedError(f"rope_type {rope!r} updates its frequencies from the "
                                       f"positions on the host, which a static or graph step "
                                       f"cannot do; use step='eager'")
+        attend(attention, torch.zeros(1, dtype=torch.long), 1, 1, torch.float32)  # refuse now
+        if model is not None:  # None: a step that only answers span()
+            fuse(model)
         self.model, self.cache, self.bucket, self.device = model, cache, int(bucket), device
+        self.attention, self.run = attention, _step
+        if compile:
+            self.run = torch.compile(_step, fullgraph=True, dynamic=False,
+                                     backend="inductor" if compile is True else compile)
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)  # static inputs
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -64,7 +173,9 @@ class StaticStep:
         self.token.copy_(token)
         self.pos.fill_(pos)  # a scalar fill: no host sync
         span = self.span(pos)
-        run = lambda: forward_static(self.model, self.token, self.cache, self.pos, span)  # noqa: E731
+        P = splits(span, self.cache.n_kv_heads, self.device)
+        run = lambda: self.run(self.model, self.token, self.cache, self.pos, span,  # noqa: E731
+                               self.attention, P)
         if not self.capture:
             logits = run()
         else:

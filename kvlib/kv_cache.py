@@ -6,7 +6,7 @@ block SDPA reads is contiguous; ``"seq"``, the original design, makes the write 
 
 import torch
 
-from .cache import bytes_per_token, check_kv, check_view
+from .cache import bytes_per_token, check_crop, check_kv, check_view
 from .config import MIB, head_dim, kv_heads
 from .env import default_device
 
@@ -64,6 +64,11 @@ class KVCache:
     def reset(self) -> None:
         """New request, same memory. Nothing is freed and nothing is zeroed."""
         self.seq_len = 0
+
+    def crop(self, seq_len: int) -> None:
+        """Keep the first ``seq_len`` slots: the rest are never read again, so no byte moves."""
+        check_crop(self, seq_len)
+        self.seq_len = seq_len
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """``[n, Hkv, D]`` into slots ``start..start+n``: one slice copy each, no allocation. The

@@ -11,6 +11,7 @@ from .cat_cache import CatCache
 from .decoder import check_supported, forward
 from .graphs import StaticStep
 from .kv_cache import KVCache
+from .speculative import lookup
 from .timing import StepTimer
 
 __all__ = ["generate", "Generation"]
@@ -50,7 +51,9 @@ class _NoTimer:
 @dataclass
 class Generation:
     """What :func:`generate` returns. ``step_s[i]`` times decode step i, over ``prompt_len + i + 1``
-    slots (``timed=True`` looks for EOS at every step); ``cache`` holds all tokens but the last."""
+    slots (``timed=True`` looks for EOS at every step); ``cache`` holds all tokens but the last.
+    ``cached_tokens``: prompt tokens a prefix cache held, not computed. Prompt lookup counts its
+    ``forwards`` after the prefill, and the guesses ``drafted`` and ``accepted``."""
 
     tokens: list[int]
     prompt_len: int
@@ -58,6 +61,10 @@ class Generation:
     prefill_s: float | None = None
     step_s: list[float] | None = None
     logits: list[torch.Tensor] | None = None
+    cached_tokens: int = 0
+    forwards: int | None = None
+    drafted: int | None = None
+    accepted: int | None = None
 
 
 def _cache(model, cache, step, max_seq: int) -> Cache:
@@ -113,7 +120,8 @@ def generate(model, input_ids, max_new_tokens, *, cache="prealloc",
              max_seq: int | None = None, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, eos_token_id="auto",
              prefill_chunk: int | None = None, step="eager", bucket: int = 256, timed: bool = False,
-             return_logits: bool = False, on_step=None, extrapolate: bool = False):
+             return_logits: bool = False, on_step=None, extrapolate: bool = False,
+             prompt_lookup_num_tokens: int | None = None):
     """Generate up to ``max_new_tokens`` after ``input_ids`` ``[1, n]`` (or ``[n]``).
 
     ``cache``: ``"prealloc"`` (``max_seq`` slots, default prompt + new tokens), ``"cat"``, or a
@@ -125,6 +133,9 @@ def generate(model, input_ids, max_new_tokens, *, cache="prealloc",
     ``bucket`` slots with a mask; ``"graph"`` replays those as CUDA graphs; a :class:`StaticStep`
     keeps its graphs from one request to the next. These run one request; the eager step's
     unmasked attention may differ from them in the last bits (in bf16 that can flip a token).
+
+    ``prompt_lookup_num_tokens=k``: greedy, one eager request, up to ``k`` tokens guessed from the
+    text and verified per forward (:mod:`kvlib.speculative`); the cache must offer ``crop``.
     """
     check_supported(model, window=getattr(cache, "window", None))  # a ring cache has one
     device = model.device
@@ -155,6 +166,19 @@ def generate(model, input_ids, max_new_tokens, *, cache="prealloc",
     if temperature > 0:
         generator = torch.Generator(device).manual_seed(0 if seed is None else seed)
     timer = StepTimer(device) if timed else _NoTimer()
+    # A prefix cache (a PagedCache on a prefix-caching pool) may hold the prompt's first blocks.
+    cached = [c.reuse(x[0].tolist()) if hasattr(c, "reuse") else 0 for c, x in zip(caches, ids)]
+    ids, lens = [x[:, k:] for x, k in zip(ids, cached)], [n - k for n, k in zip(lens, cached)]
+    if prompt_lookup_num_tokens:
+        if B > 1 or temperature or step != "eager" or timed or return_logits or on_step:
+            raise ValueError(f"prompt lookup runs one greedy eager request, untimed: got {B} "
+                             f"requests, temperature={temperature}, step={step!r}")
+        start = caches[0].seq_len
+        tokens, stats = lookup(model, ids[0], caches[0], news[0], prompt_lookup_num_tokens,
+                               eos.tolist(), prefill_chunk)
+        if hasattr(caches[0], "remember"):
+            caches[0].remember(ids[0][0].tolist() + tokens, start)
+        return Generation(tokens, lens[0] + cached[0], caches[0], cached_tokens=cached[0], **stats)
 
     # 1. Prefill, in chunks: each chunk's workspace is bounded, whatever the prompt's length. A
     #    batch packs every request's next chunk into one forward.
@@ -174,19 +198,20 @@ def generate(model, input_ids, max_new_tokens, *, cache="prealloc",
     kept_logits = [[] for _ in range(B)] if return_logits else None
     pos = [s + n for s, n in zip(starts, lens)]
     active, made = list(range(B)), 0  # every running request has made `made` tokens
+    rows = torch.arange(B, device=device)  # `active` on the device: a list index waits on a copy
     while active:
         nxt = _pick(logits, temperature, top_k, top_p, generator)  # [b, 1]: b requests running
-        out[active, made] = nxt[:, 0]
+        out[rows, made] = nxt[:, 0]
         made += 1
         for i, r in enumerate(active if kept_logits is not None else ()):
             kept_logits[r].append(logits[i].float().cpu())
         done = [made == news[r] for r in active]
         if eos.numel() and (timed or made % EOS_CHECK_EVERY == 0):
-            seen = torch.isin(out[active, :made], eos).any(1).tolist()
+            seen = torch.isin(out[rows, :made], eos).any(1).tolist()
             done = [d or e for d, e in zip(done, seen)]
         if any(done):
-            nxt = nxt[[i for i, d in enumerate(done) if not d]]
-            active = [r for r, d in zip(active, done) if not d]
+            keep = [i for i, d in enumerate(done) if not d]
+            nxt, rows, active = nxt[keep], rows[keep], [active[i] for i in keep]
         if not active:
             break
         timer.start()
@@ -207,7 +232,10 @@ def generate(model, input_ids, max_new_tokens, *, cache="prealloc",
             tokens = tokens[: first + 1]
             caches[r].seq_len = starts[r] + lens[r] + len(tokens) - 1
         logits = None if kept_logits is None else kept_logits[r][: len(tokens)]
-        gens.append(Generation(tokens=tokens, prompt_len=lens[r], cache=caches[r], logits=logits,
+        if hasattr(caches[r], "remember"):  # a prefix cache keeps the full blocks of this request
+            caches[r].remember(ids[r][0].tolist() + tokens, starts[r])
+        gens.append(Generation(tokens=tokens, prompt_len=lens[r] + cached[r], cache=caches[r],
+                               cached_tokens=cached[r], logits=logits,
                                prefill_s=times[0] if times else None,
                                step_s=times[1 : len(tokens)] if times else None))
     return gens if batch else gens[0]

@@ -2,22 +2,33 @@
 same numbers on CPU, CUDA and ``meta``, so a CPU test can hold them fixed. An output counts when its
 storage is no input's (a view or an in-place write counts 0); storages are told apart by their
 ``StorageImpl``, as ``data_ptr`` is 0 on ``meta``. Not seen: kernels' scratch, allocator rounding.
+Kernels are counted there too (:func:`count_kernels`).
 """
 
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .budget import meta_model
 from .cache import Cache
 from .cat_cache import CatCache
 from .decoder import forward
+from .graphs import StaticStep
 from .kv_cache import KVCache
 
-__all__ = ["AllocMeter", "MeteredCache", "cache_bytes_per_step", "new_storages"]
+__all__ = ["AllocMeter", "MeteredCache", "cache_bytes_per_step", "count_kernels",
+           "decode_kernels", "new_storages"]
+
+ONE_KERNEL = {F.scaled_dot_product_attention: "sdpa", F.rms_norm: "rms_norm"}  # fused on CUDA
+NO_KERNEL = {getattr(torch.ops.aten, op).default for op in (  # memory or metadata only
+    "empty_strided", "_unsafe_view", "detach", "lift_fresh")} | {torch.ops.aten.empty.memory_format}
 
 OTHER = "other"  # region name for bytes allocated outside any ``region()``
 
@@ -130,3 +141,57 @@ def cache_bytes_per_step(model, context: int, kind: str) -> int:
     with AllocMeter() as meter:
         forward(model, token, MeteredCache(cache, meter), context)
     return meter.by_region.get("cache", 0)
+
+
+class _Kernels(TorchDispatchMode):
+    """Counts aten ops that launch a kernel: not views, metadata, or work on empty tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels, self.inside = Counter(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not (self.inside or func.is_view or func in NO_KERNEL or not any(
+                t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))):
+            self.kernels[str(func.overloadpacket)] += 1
+        return out
+
+
+class _Fused(TorchFunctionMode):
+    """Counts a ``ONE_KERNEL`` call once, and none of the ops it decomposes into off CUDA."""
+
+    def __init__(self, kernels: _Kernels) -> None:
+        super().__init__()
+        self.kernels = kernels
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        one = ONE_KERNEL.get(func) if not self.kernels.inside else None
+        self.kernels.kernels.update([one] if one else [])
+        self.kernels.inside += one is not None
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.kernels.inside -= one is not None
+
+
+def count_kernels(fn, *args, **kwargs) -> Counter:
+    """Kernels one call ``fn(*args, **kwargs)`` launches, by aten op; SDPA and ``F.rms_norm`` are
+    one each. On ``meta`` nothing runs, and it is the count a GPU launches."""
+    kernels = _Kernels()
+    with kernels, _Fused(kernels):
+        fn(*args, **kwargs)
+    return kernels.kernels
+
+
+def decode_kernels(model, step: str = "static", *, context: int = 4096,
+                   attention="split") -> Counter:
+    """:func:`count_kernels` of a decode step at slot ``context`` (``"eager"``, or ``"static"``
+    over a bucket short of the cache's end) of a model, or of a config or its name on ``meta``."""
+    model = model if isinstance(model, torch.nn.Module) else meta_model(model)
+    cache = KVCache.for_model(model.config, context + 257, device=model.device, dtype=model.dtype)
+    cache.seq_len, token = context, torch.zeros(1, 1, dtype=torch.long, device=model.device)
+    if step == "eager":
+        return count_kernels(forward, model, token, cache, context)
+    return count_kernels(StaticStep(model, cache, capture=False, attention=attention), token,
+                         context)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .budget import Budget, plan_budget
-from .cache import check_kv, check_view
+from .cache import check_crop, check_kv, check_view
 from .config import head_dim, kv_heads, size
 from .env import default_device
 
@@ -78,6 +78,11 @@ class QuantCache:
     def reset(self) -> None:
         self.seq_len = 0  # nothing freed or zeroed: slots past seq_len are never read
 
+    def crop(self, seq_len: int) -> None:
+        """Keep the first ``seq_len`` slots, exactly: each token's scales are its own."""
+        check_crop(self, seq_len)
+        self.seq_len = seq_len
+
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize ``[n, Hkv, D]`` into slots ``start..start+n``; a refused write writes none."""
         end = check_kv(self, layer, start, k, v)
@@ -109,8 +114,8 @@ class WindowBudget(Budget):
     window: int = 1
     positions: int = 1
 
-    def __post_init__(self, workspace_at) -> None:
-        super().__post_init__(workspace_at)
+    def __post_init__(self, workspace_at, kv_at) -> None:
+        super().__post_init__(workspace_at, kv_at)
         fits = self.breakdown(self.window)["free"] >= 0
         object.__setattr__(self, "max_context", self.positions if fits else 0)
 

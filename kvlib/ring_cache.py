@@ -9,7 +9,7 @@ sees). ``sinks`` keeps the first positions beside the ring (StreamingLLM).
 
 import torch
 
-from .cache import check_kv
+from .cache import check_crop, check_kv
 from .config import head_dim, kv_heads, size
 from .env import default_device
 
@@ -48,6 +48,17 @@ class RingCache:
 
     def reset(self) -> None:
         self.seq_len, self._ends, self._chunk = 0, [0] * self.n_layers, {}
+
+    def crop(self, seq_len: int) -> None:
+        """Roll back to ``seq_len`` positions, while the ring still holds every key a query at
+        ``seq_len`` sees; the slots of the positions dropped are the next ones overwritten."""
+        check_crop(self, seq_len)
+        held = max(self.sinks, self.seq_len - self.window)  # the oldest held past the sinks
+        if (needs := max(self.sinks, seq_len - self.window + 1)) < min(held, seq_len):
+            raise ValueError(f"crop to {seq_len}: a query there sees positions {needs}.."
+                             f"{seq_len - 1}, but a ring of window {self.window} at {self.seq_len} "
+                             f"holds {held}..{self.seq_len - 1} of them (sinks {self.sinks})")
+        self.seq_len, self._ends, self._chunk = seq_len, [seq_len] * self.n_layers, {}
 
     def _held(self, end: int) -> list[int]:
         """The positions held once ``0..end`` are written, in order: the sinks, then the window."""

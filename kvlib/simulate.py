@@ -161,11 +161,12 @@ class Run:
 @torch.no_grad()
 def simulate(model, context: int, *, cache: str = "prealloc", card: Card | str = "12 GiB",
              budget: int | None = None, attention: str = "auto", prefill_chunk: int = 512,
-             decode: int = 4, tail: bool = False) -> Run:
+             decode: int = 4, tail: bool = False, batch: int = 1) -> Run:
     """Prefill ``context - decode`` tokens in chunks, then ``decode`` steps, on a simulated card
-    (``model``: a config, its name, or a model on ``meta``). ``card`` gives the budget and the sm
-    that picks the attention kernels. ``tail`` runs only the last two chunks and decode steps, from
-    the state before them: the same peak, since earlier steps hold less, in a fraction of the time.
+    (``model``: a config, its name, or a model on ``meta``), for ``batch`` requests packed as the
+    loop packs them. ``card`` gives the budget and the sm that picks the attention kernels.
+    ``tail`` runs only the last two chunks and decode steps, from the state before them: the same
+    peak, since earlier steps hold less, in a fraction of the time.
     """
     if attention not in ("auto", "fused", "math") or cache not in ("prealloc", "cat"):
         raise ValueError(f"attention must be auto/fused/math and cache prealloc/cat, "
@@ -190,30 +191,33 @@ def simulate(model, context: int, *, cache: str = "prealloc", card: Card | str =
     def fill(upto: int) -> None:  # the cache as the skipped steps leave it, and their last logits
         nonlocal logits
         with ledger.region(counted=False):
-            if upto > kv.seq_len:
+            for kv in kvs if upto > kvs[0].seq_len else ():
                 k = torch.empty(upto - kv.seq_len, kv.n_kv_heads, kv.head_dim, dtype=dtype,
                                 device=meta)
                 for layer in range(kv.n_layers):
                     kv.write(layer, kv.seq_len, k, k)
                 kv.seq_len = ledger.tokens = upto
             if logits is None and upto:
-                logits = torch.empty(1, config.vocab_size, dtype=dtype, device=meta)
+                logits = torch.empty(batch, config.vocab_size, dtype=dtype, device=meta)
 
     try:
         with ledger, kernels:
-            ids = torch.zeros(1, prompt, dtype=torch.long, device=meta)
+            ids = torch.zeros(batch, prompt, dtype=torch.long, device=meta)
             with ledger.region("cache"):
-                kv = MeteredCache(KVCache.for_model(config, context, device=meta, dtype=dtype)
-                                  if cache == "prealloc" else
-                                  CatCache.for_model(config, device=meta, dtype=dtype), ledger)
+                kvs = [MeteredCache(KVCache.for_model(config, context, device=meta, dtype=dtype)
+                                    if cache == "prealloc" else
+                                    CatCache.for_model(config, device=meta, dtype=dtype), ledger)
+                       for _ in range(batch)]
             fill(chunks[0])
-            for s in chunks:
-                logits = forward(model, ids[:, s : s + prefill_chunk], kv, s)
-                ledger.mark(kv.seq_len)
+            for s in chunks:  # lists, as the loop calls it: the ids of a batch are packed
+                logits = forward(model, list(ids[:, s : s + prefill_chunk].split(1)), kvs,
+                                 [s] * batch)
+                ledger.mark(kvs[0].seq_len)
             fill(steps[0])
             for pos in steps:
-                logits = forward(model, logits.argmax(-1, keepdim=True), kv, pos)
-                ledger.mark(kv.seq_len)
+                logits = forward(model, list(logits.argmax(-1, keepdim=True).split(1)), kvs,
+                                 [pos] * batch)
+                ledger.mark(kvs[0].seq_len)
     except torch.OutOfMemoryError as e:
         oom = e
     finally:
@@ -243,7 +247,8 @@ def longest_context(model, *, lo: int | None = None, hi: int | None = None, **kw
     lo = kw.get("decode", 4) + 1 if lo is None else lo
     if hi is None:
         budget = kw.get("budget") or get_card(kw.get("card", "12 GiB")).memory
-        hi = (budget - _weights(model)) // kv_bytes_per_token(model.config, model.dtype) + 1
+        kv = kv_bytes_per_token(model.config, model.dtype, kw.get("batch", 1))
+        hi = (budget - _weights(model)) // kv + 1
     elif fits_context(model, hi, **kw):
         raise ValueError(f"{hi:,} tokens fit: not an upper bound")
     if not fits_context(model, lo, **kw):

@@ -16,6 +16,7 @@ downloads them), installed under ``OUTDIR/pydeps``, or their checks are skipped.
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import pickle
@@ -39,6 +40,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's kvlib, wherever the script is r
 
 import kvlib  # noqa: E402
 from course import bench, plots  # noqa: E402
+from kvlib.bandwidth import decode_bytes, mbu, measure_bandwidth  # noqa: E402
 from kvlib.budget import plan_budget  # noqa: E402
 from kvlib.config import GIB, MIB, kv_bytes_per_token, load_config  # noqa: E402
 from kvlib.env import describe, label  # noqa: E402
@@ -54,6 +56,8 @@ from kvlib.memory import (  # noqa: E402
 from kvlib.timing import StepTimer  # noqa: E402
 
 MODEL, BUDGET_GIB, CONTEXT, NEW, CHUNK = "random:qwen3-4b", 12, 8192, 32, 512
+SPEED_CONTEXTS, SPEED_STEPS, SPEED_S = (2048, 8192, 16384), 16, 180  # decode_speed: its budget
+TARGET_MS = {8192: 5.0, 16384: 5.5}  # issue 22: graph decode of Qwen3-4B on the H200, ms/token
 TIE = 2  # steps of the dtype between the top two logits: a tie, where kernels may disagree
 LIMIT_S = 8 * 60
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -299,6 +303,168 @@ def decode(ctx):
         f"{margin:.4f} = {margin / step:.1f} steps of {str(model.dtype).removeprefix('torch.')} at "
         f"{top[0].item():.2f} "
         f"({'a tie' if margin <= TIE * step else 'NOT a tie'})"), data
+
+
+def _ms_per_token(step, contexts, device, steps: int, syncs: list) -> dict[int, float]:
+    """Median ms of ``step(pos)`` over ``steps`` positions from each context (one bucket), after a
+    first call that captures or compiles, and one with host syncs raising (CUDA's sync debug
+    mode): what one raised is added to ``syncs``."""
+    out = {}
+    for context in contexts:
+        step(context)  # capture, compile, warm up
+        try:
+            with _no_sync(device):
+                step(context + 1)
+        except RuntimeError as e:
+            syncs.append(f"{context}: {str(e).splitlines()[0]}")
+        timer = StepTimer(device)
+        for pos in range(context + 1, context + 1 + steps):
+            timer.start()
+            step(pos)
+            timer.stop()
+        out[context] = 1e3 * statistics.median(timer.times_s)
+    return out
+
+
+@contextlib.contextmanager
+def _no_sync(device):
+    """Any host sync raises inside (``torch.cuda.set_sync_debug_mode("error")``)."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _profile(step, pos: int, path: Path) -> dict:
+    """One replay of ``step`` under torch.profiler, its trace saved as JSON at ``path``: kernels,
+    the top ones by time, and those of attention with their grids."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step(pos)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(pos)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    return _kernels(json.loads(path.read_text()))
+
+
+def _kernels(trace: dict) -> dict:
+    """A trace's kernels: how many, their time, the top 12 by time, attention's (by name)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"]
+    by_name: dict[str, dict] = {}
+    for e in events:
+        row = by_name.setdefault(e["name"], {"count": 0, "us": 0.0,
+                                             "grid": e.get("args", {}).get("grid")})
+        row["count"] += 1
+        row["us"] += e.get("dur", 0.0)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1]["us"])
+    attention = {k: v for k, v in by_name.items()
+                 if any(w in k.lower() for w in ("fmha", "flash", "attention", "softmax"))}
+    return {"kernels": len(events), "kernel_us": sum(v["us"] for v in by_name.values()),
+            "top": dict(top[:12]), "attention": attention}
+
+
+def _cudnn(q, keys, values, scale, pos):
+    """Masked SDPA on cuDNN alone: it plans once per shape, which the graph's buckets fix. Its mask
+    is built per layer here, a few small kernels more."""
+    hidden = torch.arange(keys.shape[2], device=q.device) > pos
+    mask = torch.zeros(1, keys.shape[2], dtype=q.dtype, device=q.device).masked_fill_(hidden,
+                                                                                     -torch.inf)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        return F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask,
+                                              scale=scale)[0]
+
+
+@functools.cache
+def _flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, fullgraph=True)  # compiled: its decoding kernel
+
+
+@functools.cache
+def _hide_past(pos: torch.Tensor):
+    """FlexAttention's score_mod for the position buffer ``pos``: one function, traced once."""
+    return lambda score, b, h, i, j: torch.where(j <= pos[0], score, -torch.inf)
+
+
+def _flex(q, keys, values, scale, pos):
+    """FlexAttention, whose decoding kernel splits the KV itself."""
+    return _flex_attention()(q[None], keys, values, score_mod=_hide_past(pos), scale=scale)[0]
+
+
+@check(90, model=True)
+def decode_speed(ctx):
+    """ms/token at 2K, 8K and 16K: eager, and CUDA graphs of today's masked SDPA, split-KV,
+    cuDNN, FlexAttention and compiled split-KV as long as its budget lasts; MBU against the
+    measured copy bandwidth; a profile of one replay (SDPA, split-KV); no host sync in a step."""
+    model, device, config = ctx.model, ctx.device, ctx.model.config
+    deadline = time.monotonic() + min(SPEED_S, ctx.left() - 60)
+    bandwidth = measure_bandwidth(device)
+    top = max(SPEED_CONTEXTS) + 512  # every span a bucket short of the cache's end, as in use
+    cache = KVCache.for_model(config, top, device=device, dtype=model.dtype)
+    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+    rows, skipped, syncs, profiles = {}, [], [], {}
+
+    def eager(pos):
+        cache.seq_len = pos
+        return kvlib.forward(model, token, cache, pos)
+
+    rows["eager"] = _ms_per_token(eager, SPEED_CONTEXTS, device, SPEED_STEPS, syncs)
+    runs = [("graph sdpa", 0, dict(attention="sdpa")), ("graph split", 0, dict(attention="split")),
+            ("graph cudnn", 10, dict(attention=_cudnn)), ("graph flex", 60, dict(attention=_flex)),
+            ("graph split compiled", 120, dict(attention="split", compile=True))]
+    for name, needs_s, kw in runs:  # the seconds a compile may take: not started without them
+        if time.monotonic() > deadline - needs_s:
+            skipped.append(name)
+            continue
+        static = StaticStep(model, cache, bucket=256, **kw)
+
+        def step(pos, static=static):
+            return static(token, pos)
+
+        try:
+            contexts = (CONTEXT,) if kw.get("compile") else SPEED_CONTEXTS  # a compile per span
+            rows[name] = _ms_per_token(step, contexts, device, SPEED_STEPS, syncs)
+            if name in ("graph sdpa", "graph split"):
+                path = ctx.out / f"decode_profile_{name.split()[1]}.json"
+                profiles[name] = _profile(step, CONTEXT, path)
+        except Exception as e:  # cuDNN or Flex may refuse the shape: say so, go on
+            rows[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+        del static, step
+        free(device)
+    try:  # the loop itself: nothing waits between its steps either
+        loop = StaticStep(model, KVCache.for_model(config, 80, device=device, dtype=model.dtype))
+        kvlib.generate(model, token.expand(1, 64), 8, eos_token_id=None, step=loop,
+                       on_step=lambda i, pos: torch.cuda.set_sync_debug_mode(
+                           "error" if i < 6 else "default"))  # steps 1..6, pick to decode
+    except RuntimeError as e:
+        syncs.append(f"generate: {str(e).splitlines()[0]}")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    floor = {c: decode_bytes(config, model.dtype, c) for c in SPEED_CONTEXTS}
+    mbus = {k: {c: mbu(ms / 1e3, floor[c], bandwidth) for c, ms in r.items()}
+            for k, r in rows.items() if "error" not in r}
+    split = rows.get("graph split", {})
+    met = {c: split.get(c, float("inf")) <= t for c, t in TARGET_MS.items()}
+    speedup = {c: rows["eager"][c] / split[c] for c in split}
+    data = {"ms_per_token": rows, "mbu": mbus, "bandwidth": bandwidth, "floor_bytes": floor,
+            "profiles": profiles, "skipped": skipped, "targets_ms": TARGET_MS, "met": met,
+            "graph_split_speedup_over_eager": speedup, "host_syncs": syncs}
+    line = " · ".join(f"{k} " + "/".join(f"{v:.2f}" for v in r.values()) if "error" not in r
+                      else f"{k} {r['error']}" for k, r in rows.items())
+    kernels = ", ".join(f"{k} {p['kernels']}" for k, p in profiles.items())
+    split_mbu = "/".join(f"{m:.0%}" for m in mbus.get("graph split", {}).values())
+    return ("FAIL" if syncs else "PASS"), (
+        f"ms/token at {'/'.join(f'{c // 1024}K' for c in SPEED_CONTEXTS)}: {line}; split-KV MBU "
+        f"{split_mbu} of {bandwidth / 1e12:.2f} TB/s; kernels per replay: {kernels}; targets "
+        f"{'met' if all(met.values()) else 'NOT met'}; "
+        + (f"HOST SYNCS: {'; '.join(syncs)}" if syncs else "no host sync in a step")
+        + (f"; skipped (time): {', '.join(skipped)}" if skipped else "")), data
 
 
 @check(30, model=True)

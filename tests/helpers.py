@@ -60,6 +60,36 @@ def tiny_model(family: str, dtype=torch.float32, **overrides):
     return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
+def top2_margin(logits: torch.Tensor) -> float:
+    """The gap between the two largest logits: a greedy pick another arithmetic cannot move unless
+    its logits are off by half of it."""
+    top = logits.flatten().topk(2).values
+    return (top[0] - top[1]).item()
+
+
+def assert_same_greedy(tokens, logits, ref_tokens, ref_logits, **tolerance) -> int:
+    """Greedy tokens as the reference's, except where a near-tie may fall either way.
+
+    Another CPU adds in another order, and a step whose two best logits are closer than twice the
+    error between the runs may pick either. Up to the first difference both runs share their
+    history, so each step's logits are compared (to ``tolerance``, ``assert_close``'s); a
+    difference is allowed only at such a near-tie, and ends the comparison (the histories part).
+    Returns the number of steps with a shared history: ``len(ref_tokens)`` if none parted.
+    """
+    for step, (ours, theirs) in enumerate(zip(logits, ref_logits)):
+        torch.testing.assert_close(ours, theirs, **tolerance,
+                                   msg=lambda m, step=step: f"step {step}: {m}")
+        if tokens[step] != ref_tokens[step]:
+            err, margin = (ours - theirs).abs().max().item(), top2_margin(theirs)
+            assert margin <= 2 * err, (
+                f"step {step}: token {tokens[step]}, the reference's {ref_tokens[step]}, where the "
+                f"reference's top-2 margin {margin:.3g} exceeds twice the logit error {err:.3g}: "
+                f"not a near-tie")
+            return step
+    assert len(tokens) == len(ref_tokens), (len(tokens), len(ref_tokens))
+    return len(ref_tokens)
+
+
 def stub(*args):
     raise NotImplementedError  # your code here
 

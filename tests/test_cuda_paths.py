@@ -34,7 +34,7 @@ from transformers.models.qwen3 import modeling_qwen3  # noqa: F401
 
 import kvlib
 from course import bench
-from kvlib import env, graphs, memory, timing
+from kvlib import env, graphs, loop, memory, timing
 from kvlib.kv_cache import KVCache
 
 GIB, MIB = 2**30, 2**20
@@ -399,6 +399,44 @@ def test_capture_reuses_one_stream_and_measures_its_pool(driver):
     g1.replay()
     g2.replay()
     assert out1.tolist() == [10.0] * 4 and out2.tolist() == [6.0] * 4
+
+
+class _HostWaits(TorchDispatchMode):
+    """Logs, in order, what makes the host wait for the GPU or copy to it: a sync (``.item()``,
+    ``nonzero``) or a tensor made from host data (a list index); the test adds ``.tolist()`` and
+    a mark before each decode step."""
+
+    def __init__(self):
+        super().__init__()
+        self.log = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in SYNCS or func is torch.ops.aten.lift_fresh.default:
+            self.log.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("step", ["eager", "graph"])
+def test_nothing_waits_on_the_host_between_decode_steps(driver, monkeypatch, step):
+    model = tiny_model("qwen3")
+    ids = torch.randint(0, 512, (1, 21), generator=torch.Generator().manual_seed(1))
+    waits, tolist, make = _HostWaits(), torch.Tensor.tolist, loop._decode_step
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: waits.log.append("tolist") or tolist(t))
+
+    def marked(*args):
+        decode = make(*args)
+        return lambda *a: waits.log.append("step") or decode(*a)
+
+    monkeypatch.setattr(loop, "_decode_step", marked)
+    if step == "eager":  # a batch of two, which stop together
+        prompts, stepper = [ids, ids[:, :9]], "eager"
+    else:
+        cache = KVCache.for_model(model.config, 64, device="cpu", dtype=model.dtype)
+        prompts, stepper = ids, _graph_step(model, cache)
+    with waits:
+        kvlib.generate(model, prompts, 10, step=stepper, eos_token_id=None)
+    marks = [i for i, e in enumerate(waits.log) if e == "step"]
+    assert len(marks) == 9 and set(waits.log[marks[0] : marks[-1] + 1]) == {"step"}, waits.log
 
 
 @pytest.mark.parametrize("rope", ["dynamic", "longrope"])

@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from helpers import FAMILIES, SHARED, tiny_model
+from helpers import FAMILIES, SHARED, assert_same_greedy, tiny_model
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
@@ -128,12 +128,10 @@ def test_smollm2_chat_matches_transformers_to_eos(smollm2, smol_chat, cache):
     model, tok = smollm2
     ids, hf_tokens, hf_logits = smol_chat
     g = generate(model, ids, SMOL_MAX_NEW, cache=cache, return_logits=True)  # eos "auto"
-    assert g.tokens == hf_tokens, (tok.decode(g.tokens), tok.decode(hf_tokens))
-    assert len(g.logits) == len(hf_tokens)
-    for step, (ours, theirs) in enumerate(zip(g.logits, hf_logits)):
-        torch.testing.assert_close(ours, theirs, **FOLDED,
-                                   msg=lambda m, step=step: f"step {step}: {m}")
-    assert g.cache.seq_len == ids.shape[1] + len(hf_tokens) - 1
+    # this answer has a top-2 margin of 0.0015 logit at one step: another CPU may tip it
+    shared = assert_same_greedy(g.tokens, g.logits, hf_tokens, hf_logits, **FOLDED)
+    if shared == len(hf_tokens):
+        assert g.cache.seq_len == ids.shape[1] + len(hf_tokens) - 1
     assert "sea" in tok.decode(g.tokens).lower()
 
 

@@ -94,14 +94,24 @@ def test_reading_gathers_whole_blocks_and_a_step_writes_in_place():
     assert meter.total == 0
 
 
-def test_running_out_of_blocks_is_an_error_with_the_numbers():
+def state(pool, *caches):
+    return (list(pool.free), list(pool.refs), dict(pool.cached), list(pool.idle),
+            [(list(c.table), c.seq_len) for c in caches], pool.k.clone(), pool.v.clone())
+
+
+def same(x, y):
+    return all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(x, y))
+
+
+def test_running_out_of_blocks_is_an_error_with_the_numbers_that_changes_nothing():
     pool = pool_of(n_blocks=3)
     a, b = PagedCache(pool), PagedCache(pool)
     fill(a, 0, 8)
-    with pytest.raises(OutOfBlocks,
-                       match=r"out of KV blocks \(slots 0\.\.5, 1 blocks held\): all 3 "
-                                          r"blocks of 4 slots are held"):
-        fill(b, 0, 5)
+    before = state(pool, a, b)
+    with pytest.raises(OutOfBlocks, match=r"out of KV blocks \(slots 0\.\.5, 0 blocks held\): "
+                                          r"2 needed, 1 of 3 blocks of 4 slots free"):
+        fill(b, 0, 5)  # one block is free, so the old pool took it before it failed
+    assert same(state(pool, a, b), before)
     b.reset(), a.reset()
     assert pool.used == 0 and sorted(pool.free) == [0, 1, 2]
     with pytest.raises(ValueError, match=r"KV overflow: writing slots 10\.\.13 into a pool of 3 "
@@ -119,7 +129,7 @@ def test_generate_refuses_a_request_longer_than_the_pool_and_runs_out_in_a_batch
     with pytest.raises(ValueError,
                        match=r"KV overflow: 0 cached \+ 12 prompt \+ 8 new tokens > max_seq=16"):
         generate(model, ids(12), 8, cache=PagedCache(pool), eos_token_id=None)
-    with pytest.raises(OutOfBlocks, match="all 4 blocks of 4 slots are held"):  # each fits, not all
+    with pytest.raises(OutOfBlocks, match="of 4 blocks of 4 slots free"):  # each fits, not all
         generate(model, [ids(6), ids(7, seed=2)], 6, cache=[PagedCache(pool), PagedCache(pool)],
                  eos_token_id=None)
 

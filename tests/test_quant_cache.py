@@ -7,9 +7,9 @@ import re
 
 import pytest
 import torch
-from helpers import FAMILIES, SHARED, tiny_model
+from helpers import FAMILIES, SHARED, assert_same_greedy, tiny_model
 
-from kvlib import AllocMeter, KVCache, generate
+from kvlib import AllocMeter, KVCache, forward, generate
 from kvlib.budget import plan_budget
 from kvlib.config import GIB, kv_bytes_per_token, load_config
 from kvlib.quant_cache import (
@@ -198,26 +198,46 @@ def test_continuing_and_chunking_change_nothing():
     fresh = QuantCache.for_model(model.config, 64, device="cpu", dtype=torch.float32)
     single = generate(model, everything, 8, cache=fresh, eos_token_id=None, prefill_chunk=7)
     assert second.tokens == single.tokens
-    for layer in range(cache.n_layers):  # a projection of 7 rows or 1 sums in another order
-        for got, want in zip(cache.view(layer, cache.seq_len), fresh.view(layer, cache.seq_len)):
-            torch.testing.assert_close(got, want, **FOLDED)
+    n = cache.seq_len
+    for layer in range(cache.n_layers):  # a projection of 7 rows or 1 sums in another order:
+        # an element on a half step may round to the neighbouring code, one step away
+        for got, want, scale in zip(cache.view(layer, n), fresh.view(layer, n),
+                                    (fresh.k_scale, fresh.v_scale)):
+            step = scale[layer, :, :n].expand(-1, -1, -1, cache.group).flatten(-2)  # [Hkv, n, D]
+            apart = (got[0] - want[0]).abs()
+            assert (apart <= step * (1 + 1e-4) + FOLDED["atol"]).all()
+            assert (apart > FOLDED["atol"]).float().mean() < 0.01  # almost every code the same
 
 
 CHAT = [{"role": "user", "content": "Write one sentence about the sea."}]
+INT8_LOGITS = 1.5  # int8's largest logit error at any step: measured 0.7 to 0.9 on two CPUs
+
+
+def fed_logits(model, ids, tokens, bits):
+    """The logits ``[len(tokens), V]`` that pick each of ``tokens``, over a QuantCache fed them:
+    fp32's history at every step, so no step's error comes from an earlier near-tie."""
+    cache = QuantCache.for_model(model.config, ids.shape[1] + len(tokens), bits=bits, device="cpu",
+                                 dtype=torch.float32)
+    logits = [forward(model, ids, cache, 0)]
+    for step, token in enumerate(tokens[:-1]):
+        logits.append(forward(model, torch.tensor([[token]]), cache, ids.shape[1] + step))
+    return torch.cat(logits)  # [len(tokens), V]
 
 
 def test_smollm2_int8_stays_close_to_the_full_precision_cache(smollm2):
-    """Real weights: int8 keeps the greedy answer for its first 16 tokens with every logit within
-    1.0 of the fp32 cache's; int4, per token, is already further off at its first token."""
+    """Real weights: int8's logits stay within INT8_LOGITS of the fp32 cache's at every step, and
+    int4's are several times further off. The greedy text is fp32's except at a near-tie, which the
+    CPU's arithmetic may tip either way (this chat has top-2 margins of 0.01 logit)."""
     model, tok = smollm2
     ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt",
                                   return_dict=True)["input_ids"]
     ref = generate(model, ids, 16, eos_token_id=None, return_logits=True)
-    runs = {bits: generate(model, ids, 16, eos_token_id=None, return_logits=True,
-                           cache=QuantCache.for_model(model.config, ids.shape[1] + 16, bits=bits,
-                                                      device="cpu", dtype=torch.float32))
-            for bits in (8, 4)}
-    assert runs[8].tokens == ref.tokens, tok.decode(runs[8].tokens)
-    err = max((a - b).abs().max().item() for a, b in zip(runs[8].logits, ref.logits))
-    assert 0 < err < 1.0
-    assert (runs[4].logits[0] - ref.logits[0]).abs().max().item() > err
+    want = torch.stack(ref.logits)  # [16, V]
+    err = {bits: (fed_logits(model, ids, ref.tokens, bits) - want).abs().amax(-1)
+           for bits in (8, 4)}  # [16]: each step's largest logit error
+    assert 0 < err[8].max() < INT8_LOGITS and err[8].median() < INT8_LOGITS / 2, err[8]
+    assert err[4].median() > 4 * err[8].median(), (err[4], err[8])  # int4: steps 13-16x coarser
+    free = generate(model, ids, 16, eos_token_id=None, return_logits=True,
+                    cache=QuantCache.for_model(model.config, ids.shape[1] + 16, device="cpu",
+                                               dtype=torch.float32))
+    assert_same_greedy(free.tokens, free.logits, ref.tokens, ref.logits, rtol=0, atol=INT8_LOGITS)

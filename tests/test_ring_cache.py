@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from helpers import SHARED, TINY
+from helpers import SHARED, TINY, assert_same_greedy
 from transformers import AutoModelForCausalLM
 
 from kvlib import AllocMeter, MeteredCache, generate
@@ -64,10 +64,7 @@ def test_windowed_families_match_transformers(family, chunk):
     assert tokens != hf_reference(family, windowed=False)[0]  # the window changes the answer
     g = generate(model, prompt(), N_NEW, cache=ring(model), eos_token_id=None, return_logits=True,
                  prefill_chunk=chunk)
-    assert g.tokens == tokens
-    for step, (ours, theirs) in enumerate(zip(g.logits, logits)):
-        torch.testing.assert_close(ours, theirs, **FOLDED,
-                                   msg=lambda m, step=step: f"step {step}: {m}")
+    assert_same_greedy(g.tokens, g.logits, tokens, logits, **FOLDED)  # a near-tie may tip
     assert g.cache.seq_len == 12 + N_NEW - 1  # positions keep counting past the window
 
 

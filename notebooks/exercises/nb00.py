@@ -25,6 +25,7 @@ from .checking import attempt, check, expect, hint
 _HERE = sys.modules[__name__]
 PLAN = ((kv_budget, "plan_budget"), (kv_budget, "Budget"))
 KV_BYTES = PLAN + ((kv_config, "kv_bytes_per_token"), (kv_config, "kv_token_bytes"),
+                   (kv_config, "kv_bytes"), (kv_budget, "kv_bytes"),
                    (kv_budget, "kv_bytes_per_token"), (kv_cache, "kv_token_bytes"),
                    (kv_cache, "bytes_per_token"), (_HERE, "batch_kv_bytes_solution"))
 EXTRA = PLAN + ((_HERE, "extra_tokens_on_t4_solution"), (_HERE, "llama_on_t4"))
@@ -109,18 +110,16 @@ def check_batch_kv_bytes(fn) -> str:
 # --- 2. three more GiB on a Colab T4 ------------------------------------------------------
 
 T4_BUDGET = 15 * GIB  # what the exercise plans against (Colab's T4 shows about 15 GiB)
-CHUNK = 512  # kvlib's prefill chunk: the workspace's mask has this many rows per query head
 
 
 def extra_tokens_on_t4_solution() -> int:
     """A T4 runs fp16: 2 bytes, like bf16. Each more token of context costs its K and V in every
-    layer, and its column of the workspace: the chunk's mask ``[group * 512, S]`` and the fused
-    kernel's padded copy of it (``2 * group * 512 * 2`` bytes), and its id (int64, 8 bytes)."""
+    layer and its id (int64, 8 bytes), which the loop keeps on the device; the rest of the
+    workspace does not grow with the context (section 6)."""
     config = load_config("llama-3.2-3b")
     e = torch.float16.itemsize
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * e
-    group = config.num_attention_heads // config.num_key_value_heads
-    return (T4_BUDGET - 12 * GIB) // (kv + 2 * group * CHUNK * e + 8)
+    return (T4_BUDGET - 12 * GIB) // (kv + 8)
 
 
 def llama_on_t4() -> int:
@@ -138,19 +137,16 @@ def check_extra_tokens_on_t4(fn) -> str:
     want = at15 - at12
     expect(isinstance(got, int | float) and not isinstance(got, bool),
            f"you returned {got!r}: return a number of tokens (plan_budget says {want:,}).")
-    e, Hkv = torch.float16.itemsize, config.num_key_value_heads
-    kv = 2 * config.num_hidden_layers * Hkv * head_dim(config) * e  # the wrong answers below
-    column = 2 * (config.num_attention_heads // Hkv) * CHUNK * e
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config) \
+        * torch.float16.itemsize  # the wrong answers below
     expect(abs(got - want) <= want / 100,
            f"you predicted {got:,} more tokens; plan_budget says {want:,} ({at12:,} on 12 GiB, "
            f"{at15:,} on 15 GiB); within 1% counts as right.",
            hint_near(got, {
-               3 * GIB // kv: "That is the KV alone: the workspace grows with the context too "
-                              "(the mask and its padded copy, section 6).",
-               3 * GIB // (2 * kv + 2 * column + 8): "That is fp32: a T4 runs fp16, 2 bytes per "
-                                                    "element.",
-               3 * 10**9 // (kv + column + 8): "3 GiB are 3 x 2^30 bytes, not 3 x 10^9.",
-               4 * GIB // (kv + column + 8): "That is for 4 more GiB: the T4 offers 15 GiB.",
+               3 * GIB // (2 * kv + 8): "That is fp32: a T4 runs fp16, 2 bytes per element.",
+               3 * GIB // (kv // 2 + 8): "Did you count K but not V?",
+               3 * 10**9 // (kv + 8): "3 GiB are 3 x 2^30 bytes, not 3 x 10^9.",
+               4 * GIB // (kv + 8): "That is for 4 more GiB: the T4 offers 15 GiB.",
                at15: "That is the whole context on 15 GiB: how many MORE than on 12 GiB?",
            }))
     return (f"plan_budget: {at12:,} tokens on 12 GiB, {at15:,} on the T4's 15 GiB, "

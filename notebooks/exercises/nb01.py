@@ -54,10 +54,10 @@ def check_step_macs(fn) -> str:
                    f"({got / want:.3f}x).",
                    hint(got, {
                        2 * want: "That is FLOPs: count one multiply-add once, not twice.",
-                       want - attention: "Attention is missing: Q.K^T and P.V, an S x S matrix "
-                                         "per query head and layer.",
+                       want - attention: "Attention is missing: Q.K^T and softmax(scores).V, an "
+                                         "S x S matrix per query head and layer.",
                        want - attention // 2: "Attention has two products per head: Q.K^T and "
-                                              "then P.V.",
+                                              "then softmax(scores).V.",
                        want - attention + gqa_attention: "Scores are computed per *query* head "
                                                          "(GQA shares K/V, not the work).",
                        want - S * config.hidden_size * config.vocab_size:

@@ -62,7 +62,7 @@ PEAK_CASES = [  # (shipped config, dtype, t: slots held before the step)
     ("smollm2-135m", torch.float32, 0),  # nothing old to free: the peak is the cache after
     ("smollm2-135m", torch.float32, 100),
     ("llama-3.2-3b", torch.float16, 4_095),
-    ("qwen3-4b", torch.bfloat16, 31_170),  # the last step under the 12 GiB plan
+    ("qwen3-4b", torch.bfloat16, 31_170),  # deep into a 12 GiB card, short of its plan's limit
 ]
 
 

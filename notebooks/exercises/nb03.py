@@ -18,7 +18,7 @@ from .checking import attempt, check, expect, hint
 
 def write_solution(k_store: torch.Tensor, v_store: torch.Tensor, layer: int, start: int,
                    k: torch.Tensor, v: torch.Tensor) -> None:
-    """Put ``k``/``v`` ``[n, Hkv, D]`` into slots ``start..start+n`` of ``layer``, in place.
+    """Put ``k``/``v`` ``[n, Hkv, D]`` into slots ``start:start+n`` of ``layer``, in place.
 
     ``k_store``/``v_store`` are ``[layers, Hkv, max_seq, D]`` (kvlib's ``"head"`` layout), so
     the new slots are ``[Hkv, n, D]``: assign the transposed view. A slice assignment is one
@@ -51,7 +51,7 @@ def check_write(fn) -> None:
         for name, got, want in (("k", k_store, want_k), ("v", v_store, want_v)):
             wrong = (got != want).any(-1).any(1).nonzero().tolist()  # [layer, slot] pairs
             expect(not wrong, f"after {where}: {name} differs at [layer, slot] {wrong[:6]}; "
-                              f"slots start..start+n of that layer (the third axis of the "
+                              f"slots start:start+n of that layer (the third axis of the "
                               f"store) should hold the new values, every other slot stays as "
                               f"it was")
 
@@ -131,7 +131,7 @@ def check_view(fn) -> None:
                f"{where}: shape {tuple(got.shape)}, want [1, kv_heads, seq, head_dim] = "
                f"{tuple(want.shape)}")
         expect(torch.equal(got, want),
-               f"{where}: right shape, wrong values: take slots 0..{seq} of layer {layer}")
+               f"{where}: right shape, wrong values: take slots 0:{seq} of layer {layer}")
         expect(not meter.total,
                f"{where} allocated {meter.total:,} B ({meter.by_op}): a view allocates 0 B")
         base = k_store.data_ptr()
@@ -200,12 +200,12 @@ def check_ring_cache(cls) -> None:
                    f"{where}: shape {tuple(keys.shape)}, want {want_shape}")
             expect(not meter.total, f"{where} allocated {meter.total:,} B ({meter.by_op}): a "
                                     f"view allocates 0 B (the order of the slots does not matter)")
-            first = max(0, pos + 1 - W)  # the window: positions first..pos
+            first = max(0, pos + 1 - W)  # the window: positions first to pos
             want = F.scaled_dot_product_attention(
                 query, past_k[layer, first : pos + 1].transpose(0, 1)[None],
                 past_v[layer, first : pos + 1].transpose(0, 1)[None])
             got = F.scaled_dot_product_attention(query, keys, values)
             expect(torch.allclose(got, want, atol=1e-5),
                    f"{where}: attention over your view differs from attention over positions "
-                   f"{first}..{pos} by {(got - want).abs().max().item():.3g}: the view must hold "
+                   f"{first} to {pos} by {(got - want).abs().max().item():.3g}: the view must hold "
                    f"exactly the last {W} tokens")

@@ -197,7 +197,7 @@ CHUNK_CASES = [  # (Hq, Hkv, n, t, D): the first is SmolLM2's heads after a long
 
 
 def _chunk_inputs(h_q: int, h_kv: int, n: int, t: int, d: int):
-    """q ``[1, Hq, n, D]``, and k/v as the original design's permuted view ``[1, Hkv, t+n, D]``."""
+    """q ``[1, Hq, n, D]``, and k/v as a seq-major cache's permuted view ``[1, Hkv, t+n, D]``."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, h_q, n, d, generator=g)
     store_k = torch.randn(t + n, h_kv, d, generator=g)  # [S, Hkv, D] storage

@@ -29,7 +29,7 @@ TRACE = ((StaticStep, "span"), (_HERE, "trace_waste_solution"))
 # --- 1. the smallest bucket within a graph limit, and what it reads masked ----------------
 
 PICK_CASES = [  # (config name, dtype, max_seq, max_graphs, max_masked_bytes)
-    ("qwen3-4b", torch.bfloat16, 30976, 128, 64 * MIB),  # the 12 GiB plan: fits
+    ("qwen3-4b", torch.bfloat16, 30976, 128, 64 * MIB),  # a cache near the 12 GiB plan: fits
     ("qwen3-4b", torch.bfloat16, 30976, 8, 64 * MIB),  # too few graphs for 64 MiB: None
     ("qwen3-4b", torch.bfloat16, 30976, 1, 8 * GIB),  # one graph: the whole-buffer mask
     ("smollm2-135m", torch.float32, 1000, 3, 64 * MIB),  # 1000 / 3 is not whole: round up

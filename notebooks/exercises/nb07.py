@@ -11,7 +11,7 @@ from kvlib.config import head_dim, kv_heads, kv_token_bytes, load_config
 
 from .checking import attempt, check, expect, hint
 
-# --- 1. copy on write: the first divergent write into a shared block ----------------------
+# --- 2. copy on write: the first divergent write into a shared block ----------------------
 
 
 def cow_write_solution(tables: list[list[int]], refs: list[int], free: list[int], request: int,
@@ -80,7 +80,7 @@ def check_cow_write(fn) -> None:
                " Take the next block from the free list: free.pop().")
 
 
-# --- 2. capacity in pages: predict, then count -------------------------------------------------
+# --- 1. capacity in pages: predict, then count -------------------------------------------------
 
 
 def fits_solution(slots: list[int], budget_tokens: int, block: int) -> int:
@@ -139,7 +139,7 @@ def kv_per_gpu_solution(config, dtype: torch.dtype, tp: int) -> int:
     return kv_token_bytes(config.num_hidden_layers, heads, head_dim(config), dtype)
 
 
-TP_CASES = [  # only tp values plan_budget accepts; most past the KV heads, which cell 48 never met
+TP_CASES = [  # only tp values plan_budget accepts; most past the KV heads, beyond the tp table
     ("qwen3-4b", torch.bfloat16, 2), ("qwen3-4b", torch.bfloat16, 16),
     ("qwen2.5-3b", torch.bfloat16, 1), ("qwen2.5-3b", torch.bfloat16, 4),
     ("qwen2.5-3b", torch.bfloat16, 8), ("smollm2-135m", torch.float32, 9),

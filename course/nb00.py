@@ -1,0 +1,150 @@
+"""Notebook 00's measuring machinery (setup and instruments): the warm-up and clock
+demonstrations, the committed GPU reference read back with its label, and the budget figure.
+
+Each public function is one notebook cell: it measures or reads, prints one line and returns a
+figure where there is one. The notebook keeps what it teaches (the dtype rule, the memory
+numbers, the ``AllocMeter``, the bytes of one token, the plan, the simulated card).
+"""
+
+import time
+
+import torch
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+from kvlib.budget import plan_budget
+from kvlib.config import GIB, MIB, load_config
+from kvlib.timing import time_fn
+
+from . import plots
+
+REFERENCE = "REFERENCE, not this run"
+COMPUTED = "computed from the shipped configs (kvlib.budget.plan_budget), the same on every device"
+
+
+def warmup(fn, device, label: str, calls: int = 12) -> Figure:
+    """``calls`` timed calls of ``fn`` with no warm-up (the first pays the start-up), then
+    ``calls`` more the way ``time_fn`` usually runs (2 warm-up calls first). A cold call counts as
+    slow only more than 10% above the warm p90, clear of the warm calls' own scatter. When
+    the warm calls themselves scatter (p90 over 1.5x their median), other work shared the machine
+    and no start-up cost is read off them: the line and the figure's label say so."""
+    cold = time_fn(fn, device=device, warmup=0, repeats=calls)
+    warm = time_fn(fn, device=device, warmup=2, repeats=calls)
+    slow = 1.1 * warm.p90_s
+    start = next((i for i, s in enumerate(cold.samples_s) if s <= slow), calls)
+    busy = warm.p90_s > 1.5 * warm.median_s
+    shown = f"{label} · disturbed run: the warm calls scattered" if busy else label
+    fig = Figure(figsize=(9.5, 3.8), layout="constrained")
+    fig.suptitle("Timing one call: cold calls and warmed-up calls", fontweight="bold")
+    ax = fig.add_subplot()
+    ax.set_title(shown, fontsize=8, color="0.35")
+    n = range(1, calls + 1)
+    ax.plot(n, [s * 1e3 for s in cold.samples_s], "o-", label="no warm-up (cold run)")
+    ax.plot(n, [s * 1e3 for s in warm.samples_s], "s-", label="after 2 warm-up calls")
+    ax.axhspan(warm.p10_s * 1e3, warm.p90_s * 1e3, color="tab:orange", alpha=0.15,
+               label="warm p10–p90")
+    ax.axhline(slow * 1e3, color="0.3", lw=1, ls=":", label="warm p90 + 10%: above it, slow")
+    ax.set(xlabel="call number", ylabel="ms per call (log scale)", yscale="log")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1, 1.5, 2, 3, 5, 7)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.grid(alpha=0.3)
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    plots.save(fig, "nb00_timing_warmup", label=shown,
+               data={"cold_s": cold.samples_s, "warm_s": warm.samples_s})
+    first = cold.samples_s[0] / sorted(cold.samples_s[1:])[calls // 2 - 1]
+    verdict = ("the warm calls scattered (another program shared the machine): no start-up "
+               "cost read" if busy else f"{start} cold call(s) more than 10% above the warm p90")
+    print(f"first call {cold.samples_s[0] * 1e3:.3f} ms, {first:.1f}x the cold calls after it; "
+          f"time_fn after 2 warm-ups: {warm}; {verdict}")
+    return fig
+
+
+def clocks(fn, device, rounds: int = 15) -> None:
+    """The same call timed three ways, taking turns: ``perf_counter`` alone, ``perf_counter``
+    after a synchronise, and ``time_fn``. On a GPU the first times only the queueing."""
+    gpu = torch.device(device).type == "cuda"
+
+    def host(sync):
+        if gpu:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if sync and gpu:
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    samples = {"no sync": [], "sync": [], "time_fn": []}
+    fn()
+    for _ in range(rounds):
+        samples["no sync"].append(host(False))
+        samples["sync"].append(host(True))
+        samples["time_fn"].append(time_fn(fn, device=device, warmup=0, repeats=1).median_s)
+    med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in samples.items()}
+    print(f"medians of {rounds}: perf_counter alone {med['no sync']:.3f} ms, with a synchronise "
+          f"{med['sync']:.3f} ms, time_fn {med['time_fn']:.3f} ms"
+          + ("" if gpu else " (a CPU call is synchronous: the three time the same work)"))
+
+
+def held_back() -> None:
+    """The committed GPU run's reserved - allocated at every decode step: the allocator's cache."""
+    ref = plots.gpu_reference("gpu_timeline")
+    if ref is None:
+        print("no GPU run committed in figures/: no reference to show")
+        return
+    data, label, _ = ref
+    gaps = [r["reserved"] - r["allocated"] for rows in data["rows"].values() for r in rows]
+    print(f"{REFERENCE}: {label}: reserved stayed {min(gaps) / MIB:.0f}–{max(gaps) / MIB:.0f} MiB "
+          f"above allocated at every decode step, for both caches ({', '.join(data['rows'])})")
+
+
+def context_vs_budget(budget) -> Figure:
+    """The longest context against the memory budget, 8 to 24 GiB, for the 3-4B configs in bf16
+    and Qwen3-4B in fp32; each model's trained context dotted; ``budget`` marked at 12 GiB."""
+    gib = list(range(8, 25))
+    colors = {"qwen3-4b": "tab:blue", "llama-3.2-3b": "tab:orange", "qwen2.5-3b": "tab:green"}
+    series = {f"{name} {'fp32' if dt == torch.float32 else 'bf16 / fp16'}":
+              [plan_budget(load_config(name), dt, g * GIB).max_context for g in gib]
+              for name, dt in [(n, torch.bfloat16) for n in colors] + [("qwen3-4b", torch.float32)]}
+    fig = Figure(figsize=(7.5, 4.6), layout="constrained")
+    fig.suptitle("Longest context that fits a memory budget", fontweight="bold")
+    ax = fig.add_subplot()
+    ax.set_title(COMPUTED, fontsize=8, color="0.35")
+    for key, contexts in series.items():
+        name = key.split()[0]
+        ax.plot(gib, [c / 1000 for c in contexts], "--" if "fp32" in key else "-",
+                color=colors[name], lw=2.2 if name == "qwen3-4b" else 1.4, label=key)
+    for (name, color), above in zip(colors.items(), (True, True, False)):
+        trained = load_config(name).max_position_embeddings
+        ax.axhline(trained / 1000, color=color, lw=1.2, ls=":")
+        ax.text(gib[-1] + 0.2, trained / 1000, f"{name}: trained for {trained:,}", color=color,
+                fontsize=7, va="bottom" if above else "top", clip_on=False)
+    ax.axvline(12, color="crimson", lw=1, label="the course's 12 GiB budget")
+    ax.plot([12], [budget.max_context / 1000], "o", color="tab:blue")
+    ax.set(xlabel="memory budget (GiB)", ylabel="longest context (thousands of tokens)",
+           xlim=(gib[0], gib[-1]), ylim=(0, None))
+    ax.grid(alpha=0.3)
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.legend(fontsize=8, loc="upper left")
+    plots.save(fig, "nb00_context_vs_budget", data={"budget_gib": gib, **series}, label=COMPUTED)
+    return fig
+
+
+def h200_longest(budget) -> None:
+    """The committed GPU check's longest context against the plan its kvlib made, and where its
+    12 GiB went that a plan does not price (``budget`` gives the weights)."""
+    ref = plots.gpu_reference("gpu_longest")
+    if ref is None:
+        print("no GPU run committed in figures/: the plan stays a prediction on a real card")
+        return
+    data, label, _ = ref
+    reached = data["prealloc"]
+    fit = next(t for t in data["tries"]["prealloc"] if t["tokens"] == reached and t["fits"])
+    held = fit["allocated_before"] - budget.weights
+    slack = fit["peak_reserved"] - fit["peak_allocated"]
+    planned = data["arithmetic"]  # the plan of the kvlib that ran the check
+    print(f"{REFERENCE}: {label}: that run reached {reached / planned:.0%} of the plan its "
+          "version of kvlib made; not in a plan: "
+          f"{held / MIB:.0f} MiB held beyond the weights before the run, and {slack / MIB:.0f} MiB "
+          "reserved by the allocator above what tensors held")

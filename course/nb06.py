@@ -1,0 +1,187 @@
+"""Notebook 06's machinery: the cards figure, the simulated card's limits, the GPU reference lines
+and the budget calculator. The notebook keeps the arithmetic it teaches (``plan_budget`` per card,
+the bandwidth floor per card); what draws, bisects and formats lives here, one call per cell.
+"""
+
+import textwrap
+
+import torch
+from IPython.display import display
+from matplotlib.figure import Figure
+
+from kvlib.budget import meta_model, plan_budget
+from kvlib.cards import CARDS
+from kvlib.config import GIB, load_config
+from kvlib.simulate import longest_context, simulate
+
+from . import plots
+
+CACHES = ("prealloc", "cat")  # kvlib's two caches
+SIM_LABEL = ("simulated card (meta device: exact tensor bytes; no allocator, no fragmentation, "
+             "no timing)")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+CARDS_LABEL = ("PREDICTION: plan_budget on the qwen3-4b config, and the bandwidth floor (bytes a "
+               "decode step moves / the datasheet's GB/s, kvlib.cards); nothing ran on these cards")
+PLAN_LABEL = "PREDICTION from the qwen3-4b config (plan_budget: arithmetic; nothing ran) · bfloat16"
+WIDTH = 100  # characters of a printed line: a browser's output area breaks longer ones anywhere
+
+
+def card_dtype(card) -> torch.dtype:
+    """The dtype kvlib.auto_dtype picks on a card: bf16 from compute capability 8.0, else fp16
+    (2 bytes too)."""
+    return torch.bfloat16 if card.sm >= 8.0 else torch.float16
+
+
+def cards_figure(table: dict, window: int, label: str) -> Figure:
+    """Two panels, one row per card: the longest context (the plan, capped at the model's window)
+    and the tokens/s ceiling there, prealloc against cat. ``table``: the notebook's rows."""
+    fig = Figure(figsize=(9.0, 4.2), layout="constrained")
+    fig.suptitle("Qwen3-4B on each card: how long a conversation, how fast at most",
+                 fontweight="bold")
+    left, right = fig.subplots(1, 2, sharey=True)
+    names = list(table)
+    bars = left.barh(names, [row["context"] for row in table.values()], color="tab:green")
+    left.bar_label(bars, [f"{row['context']:,}" for row in table.values()], padding=2, fontsize=7)
+    left.axvline(window, color="0.3", ls="--", lw=1)
+    left.text(window, 1.0, f"the model's window, {window:,}", transform=left.get_xaxis_transform(),
+              ha="center", va="bottom", fontsize=7, color="0.3")  # on its line, in its panel
+    left.set(xlabel="longest context (tokens), prealloc", xlim=(0, 1.3 * window))
+    for j, cache in enumerate(CACHES):
+        ys = [i + (j - 0.5) * 0.4 for i in range(len(names))]
+        bars = right.barh(ys, [1e3 / row[cache] for row in table.values()], height=0.38,
+                          color=plots.CACHE_COLORS[cache], label=f"{cache}: tokens/s at most")
+        right.bar_label(bars, fmt="%.0f", padding=2, fontsize=7)
+    right.set(xlabel="tokens/s at that context, at most (bandwidth floor)")
+    right.margins(x=0.12)
+    left.invert_yaxis()
+    for ax in (left, right):
+        ax.grid(axis="x", alpha=0.3)
+        ax.spines[["top", "right"]].set_visible(False)
+    right.legend(fontsize=7, loc="center right")  # beside the short bars
+    fig.supxlabel(textwrap.fill(label, 150), fontsize=7, color="0.35")
+    return fig
+
+
+def simulated_limits(config, card: str = "12 GiB", bracket: int = 16) -> dict:
+    """{cache: (plan, simulated)}: the longest context on the simulated card, bisected within
+    ``bracket`` tokens of the plan (widened x4 while the limit lies outside), next to the plan."""
+    c = CARDS[card]
+    meta = meta_model(config, card_dtype(c))
+    out = {}
+    for cache in CACHES:
+        planned = plan_budget(config, card_dtype(c), c.memory, cache=cache).max_context
+        half = bracket
+        while True:
+            try:
+                found = longest_context(meta, lo=max(planned - half, 5), hi=planned + half,
+                                        card=c, cache=cache)
+                break
+            except ValueError:  # the simulation refuted a bound
+                half *= 4
+        out[cache] = (planned, found)
+    return out
+
+
+def live_at_peak(config, tokens: int, cache: str, card: str = "12 GiB") -> str:
+    """What is live at the peak, by region, in MiB: one line. Of the two tail runs ``fits_context``
+    makes (the longest prompt; the longest whose last chunk is 511 tokens, an unaligned mask), the
+    one whose peak is higher."""
+    meta = meta_model(config, card_dtype(CARDS[card]))
+    prompt = tokens - 4
+    partial = prompt - (prompt + 1) % 512
+    steps = [4] + ([tokens - partial] if 0 < partial < prompt else [])
+    run = max((simulate(meta, tokens, cache=cache, card=card, tail=True, decode=d) for d in steps),
+              key=lambda r: r.peak)
+    parts = ", ".join(f"{region} {nbytes / 2**20:,.0f}" for region, nbytes in run.at_peak.items()
+                      if nbytes >= 2**20)
+    return f"{cache} at {tokens:,} tokens: peak {run.peak / GIB:.2f} GiB; live then, MiB: {parts}"
+
+
+def window_fits(config, card: str, window: int, attention: str = "auto") -> bool:
+    """Whether the model's whole window runs on the simulated ``card``."""
+    return simulate(meta_model(config, card_dtype(CARDS[card])), window, card=card, tail=True,
+                    attention=attention).fits
+
+
+def reference_label(label: str) -> str:
+    """The run's label without the allocator setting the notebook does not teach."""
+    return label.replace(" · expandable segments off", "")
+
+
+def reference_longest() -> str:
+    """The GPU reference (figures/h200/: an H200, allocator capped at 12 GiB), read from its JSON:
+    the longest context each cache reached under the real allocator, against the plan of the code
+    that ran there. The one line that prints the run's whole label."""
+    found = plots.gpu_reference("gpu_longest")
+    if found is None:
+        return "no GPU run committed in figures/: no reference to set beside the plan"
+    data, label, _ = found
+    planned = data["arithmetic"]
+    return wrapped(f"REFERENCE ({reference_label(label)}): under the real allocator prealloc "
+                   f"reached {data['prealloc']:,} tokens, {data['prealloc'] / planned:.1%} of the "
+                   f"plan for the code that ran there ({planned:,}); cat {data['cat']:,}")
+
+
+def reference_step() -> str:
+    """The same reference's decode step (prealloc, its longest context) against its floor: the
+    bench times kvlib's eager loop (no CUDA graph; figures/h200/README.md), and its floor divides
+    the step's bytes by the copy speed measured on that card, not the datasheet's."""
+    found = plots.gpu_reference("bench")
+    if found is None:
+        return "no GPU run committed in figures/: no measured step to set beside the floor"
+    data, _, _ = found
+    ms, floor = data["caches"]["prealloc"]["ms_per_token"][-1], data["bandwidth"]["floor_ms"][-1]
+    return wrapped(f"REFERENCE (the same H200 run): an eager {data['model']} decode step at "
+                   f"{data['contexts'][-1]:,} tokens took {ms:.1f} ms, {ms / floor:.0f}x its "
+                   f"floor of {floor:.2f} ms (its bytes over the "
+                   f"{data['bandwidth']['bytes_per_s'] / 1e12:.1f} TB/s this H200 copied at)")
+
+
+def wrapped(text: str, indent: str = "  ") -> str:
+    """A long line broken at word boundaries, never inside a word."""
+    return textwrap.fill(text, WIDTH, subsequent_indent=indent, break_long_words=False,
+                         break_on_hyphens=False)
+
+
+def calculator_lines(model="qwen3-4b", dtype="bfloat16", batch=1, context=8192, budget_gib=12.0,
+                     block=1, tp=1) -> tuple[list[str], object, str]:
+    """(lines, budget, bar label) of the calculator: the longest context with the limit that binds
+    (memory, the model's positions, or the weights alone), and a note past the window; budget is
+    None where the heads cannot be split ``tp`` ways."""
+    config = load_config(model)
+    window = config.max_position_embeddings
+    try:
+        b = plan_budget(config, DTYPES[dtype], int(budget_gib * GIB), batch=batch, block=block,
+                        tp=tp)
+    except ValueError as err:  # a tp the model's heads cannot be split into
+        return [wrapped(f"{model}: {err}")], None, ""
+    layout = f" · blocks of {block}" * (block > 1) + f" · tp={tp}, per GPU" * (tp > 1)
+    head = f"plan_budget · {model} · {dtype} · batch {batch}{layout} · {budget_gib:g} GiB:"
+    over = b.weights - b.budget
+    if over > 0:
+        answer = (f"no context fits: the weights, at {b.weights / GIB:.2f} GiB, exceed the budget "
+                  f"by {over / GIB:.2f} GiB")
+    elif b.max_context == 0:
+        answer = (f"no context fits: the weights, at {b.weights / GIB:.2f} GiB, leave "
+                  f"{-over / GIB:.2f} GiB, less than one token's KV and the workspace")
+    elif b.max_context <= window:
+        answer = f"longest context {b.max_context:,} tokens; the limit: memory"
+    else:
+        answer = (f"longest context {window:,} tokens; the limit: the model's {window:,} positions "
+                  f"(memory alone: {b.max_context:,})")
+    lines = [wrapped(f"{head} {answer}")]
+    if context > window:
+        lines.append(wrapped(f"{context:,} tokens is past {model}'s window of {window:,}: the "
+                             "bar shows what it would take, but the model never saw positions "
+                             "that far"))
+    label = f"PREDICTION from the {model} config (arithmetic) · {dtype} · batch {batch}{layout}"
+    return lines, b, label
+
+
+def calculator(model="qwen3-4b", dtype="bfloat16", batch=1, context=8192, budget_gib=12.0, block=1,
+               tp=1) -> None:
+    """Print the calculator's answer and draw its bar: what the sliders call."""
+    lines, b, where = calculator_lines(model, dtype, batch, context, budget_gib, block, tp)
+    print("\n".join(lines))
+    if b is not None:
+        display(plots.budget_bar([(f"{budget_gib:g} GiB", b)], context, label=where))

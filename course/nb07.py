@@ -1,0 +1,298 @@
+"""Notebook 07's machinery: the request trace and its waste figure, admission into 12 GiB, the
+paged-attention kernels probed, and the two timings (tokens/s by batch; what pages add to a step)
+with their figures. The notebook keeps the caches it builds and the arithmetic it teaches.
+"""
+
+import statistics
+import textwrap
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from matplotlib.figure import Figure
+
+import kvlib
+from kvlib.config import kv_heads
+from kvlib.kv_cache import KVCache
+from kvlib.paged_cache import BlockPool, OutOfBlocks, PagedCache
+from kvlib.timing import time_fn
+
+TRACE = (Path(__file__).resolve().parents[1] / "notebooks" / "data"
+         / "azure_llm_conv_2023_sample.csv")
+SPREAD = 1.5  # rounds of the same work further apart than this: other programs took the time
+BATCH_STEPS = 6  # decode steps timed per batch and round
+
+
+def trace() -> tuple[np.ndarray, np.ndarray]:
+    """(prompt tokens, output tokens) per request, in trace order (the file's header says how)."""
+    rows = [line for line in TRACE.read_text().splitlines() if not line.startswith("#")][1:]
+    return np.loadtxt(rows, delimiter=",", dtype=np.int64, unpack=True)
+
+
+def policies(config, dtype, max_seq: int, prompt_len, out_cap: int, blocks, pool_tokens=None):
+    """{name: a function making one request's cache}, on ``meta``: a slab of ``max_seq``, a slab of
+    prompt + ``out_cap`` (the prompts taken in trace order), and pages of each block size in one
+    pool: of ``pool_tokens[block] // block`` blocks, or by default enough for any one request."""
+    lengths = iter(prompt_len.tolist())
+
+    def slab(n):
+        return KVCache.for_model(config, n, device="meta", dtype=dtype)
+
+    made = {f"slab of {max_seq:,}": lambda: slab(max_seq),
+            f"slab of prompt + {out_cap:,}": lambda: slab(next(lengths) + out_cap)}
+    for block in blocks:
+        n = pool_tokens[block] // block if pool_tokens else -(-max_seq // block)
+        pool = BlockPool.for_model(config, n_blocks=n, block=block, device="meta", dtype=dtype)
+        made[f"pages of {block}"] = lambda p=pool: PagedCache(p)
+    return made
+
+
+def _write(cache, n: int, dtype) -> None:
+    """``n`` slots written: the first layer's write is the one that takes a pool's blocks."""
+    zeros = torch.zeros(n, cache.n_kv_heads, cache.head_dim, dtype=dtype, device="meta")
+    cache.write(0, 0, zeros, zeros)
+    cache.seq_len = n
+
+
+def waste(made: dict, slots, dtype) -> dict:
+    """{policy: (reserved, used) bytes} over every request, each written to its full length."""
+    out = {}
+    for name, make in made.items():
+        reserved = used = 0
+        for n in slots.tolist():
+            cache = make()
+            _write(cache, n, dtype)
+            reserved, used = reserved + cache.nbytes, used + n * cache.bytes_per_token
+            cache.reset()
+        out[name] = (reserved, used)
+    return out
+
+
+def admitted(made: dict, slots, dtype, kv_bytes: int) -> dict:
+    """{policy: requests admitted}, in trace order, each at its full length, until the next one
+    does not fit: a pool runs out of blocks (``OutOfBlocks``); slabs pass ``kv_bytes`` together."""
+    out = {}
+    for name, make in made.items():
+        held = count = 0
+        for n in slots.tolist():
+            cache = make()
+            try:
+                _write(cache, n, dtype)
+            except OutOfBlocks:
+                break
+            held += cache.nbytes if isinstance(cache, KVCache) else 0
+            if held > kv_bytes:
+                break
+            count += 1
+        out[name] = count
+    return out
+
+
+def waste_figure(reserved_used: dict, requests: int, label: str) -> Figure:
+    """The share of each policy's reserved KV memory that is never written, one bar a policy."""
+    share = {name: 1 - used / reserved for name, (reserved, used) in reserved_used.items()}
+    fig = Figure(figsize=(8, 3.8), layout="constrained")
+    ax = fig.add_subplot()
+    fig.suptitle("KV memory reserved but never written", fontweight="bold")
+    ax.set_title(f"{requests:,} requests of the Azure LLM trace 2023 (conversation); Qwen3-4B bf16"
+                 f"\n{label}", fontsize=7, color="0.35")
+    colors = ["tab:red" if n.startswith("slab of ") and "prompt" not in n else
+              "tab:orange" if n.startswith("slab") else "tab:green" for n in share]
+    ax.barh(list(share), [100 * w for w in share.values()], color=colors)
+    for y, w in enumerate(share.values()):
+        ax.text(100 * w + 1, y, f"{w:.1%}", va="center", fontsize=8)
+    ax.set(xlabel="waste: 1 - used / reserved (%)", xlim=(0, 100))
+    ax.invert_yaxis()
+    return fig
+
+
+def in_place_kernels(device, pages: int = 256, block: int = 16, context: int = 1000) -> list[str]:
+    """Attention of one query over a ``context``-token request in a pool of ``pages`` blocks, three
+    ways: kvlib's gather + SDPA, eager FlexAttention over the pool in place (compiled, it would
+    take minutes on a CPU), and ``varlen_attn`` with a block table. One line each: same result,
+    ms (median of 5), or why not."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.varlen import varlen_attn
+
+    hq, hkv, d = 9, 3, 64  # SmolLM2's heads
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, hkv, pages * block, d, generator=g).to(device)  # one layer of a pool
+    v = torch.randn(1, hkv, pages * block, d, generator=g).to(device)
+    q = torch.randn(1, hq, 1, d, generator=g).to(device)
+    paged = PagedAttention(pages, block, max_batch_size=1, device=device)
+    paged.reserve(torch.tensor([0], device=device), torch.tensor([context], device=device))
+    table = paged.page_table[0, : -(-context // block)]
+    kv_len = torch.tensor([context], device=device)
+    logical = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx >= 0, B=1, H=None, Q_LEN=1,
+                                KV_LEN=len(table) * block, BLOCK_SIZE=block, device=device)
+    mask = paged.convert_logical_block_mask(logical, kv_len=kv_len)
+
+    def gather_sdpa():  # what PagedCache.view and the decoder do
+        ks = k.view(hkv, pages, block, d).index_select(1, table).view(1, hkv, -1, d)[:, :, :context]
+        vs = v.view(hkv, pages, block, d).index_select(1, table).view(1, hkv, -1, d)[:, :, :context]
+        out = F.scaled_dot_product_attention(q.view(1, hkv, hq // hkv, d), ks, vs)
+        return out.view(1, hq, 1, d)
+
+    def ms(fn):
+        return time_fn(fn, device=device, warmup=1, repeats=5).ms
+
+    want = gather_sdpa()
+    lines = [f"gather + SDPA: {ms(gather_sdpa):.2f} ms, copies "
+             f"{2 * hkv * len(table) * block * d * 4:,} B per call"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex warns that it builds the whole score matrix
+        got = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+        same = torch.allclose(got, want, atol=1e-5)
+        took = ms(lambda: flex_attention(q, k, v, block_mask=mask, enable_gqa=True))
+        lines.append(f"FlexAttention, eager, in place: same result {same}, {took:.2f} ms")
+    if torch.device(device).type != "cuda":
+        return [*lines, "varlen_attn with a block_table: needs CUDA (FlashAttention); skipped here"]
+    try:
+        pool_k = k[0].view(hkv, pages, block, d).permute(1, 2, 0, 3)  # [pages, block, H, D]
+        varlen_attn(q[0].transpose(0, 1), pool_k, pool_k,
+                    torch.tensor([0, 1], dtype=torch.int32, device=device), None, 1, context,
+                    enable_gqa=True, seqused_k=kv_len.int(), block_table=table.int().view(1, -1))
+        lines.append("varlen_attn with a block_table: ran")
+    except Exception as err:
+        lines.append(f"varlen_attn with a block_table: {type(err).__name__}: {str(err)[:120]}")
+    return lines
+
+
+def _flags(samples: dict) -> list[str]:  # rounds of the same work over SPREAD apart: a busy machine
+    return [f"{k}: {min(v):.1f}..{max(v):.1f}" for k, v in samples.items()
+            if max(v) > SPREAD * min(v)]
+
+
+def batch_throughput(model, prompt, batches=(1, 2, 4, 8, 16), steps: int = BATCH_STEPS,
+                     rounds: int = 3):
+    """({batch: [tokens/s of each round]}, flagged): B copies of ``prompt`` decoded ``steps`` steps,
+    the batch sizes interleaved in rounds (forward, then backward) so that a slow moment of a
+    shared machine hits them alike; a round's tokens/s is B over its median step."""
+    per_round = {b: [] for b in batches}
+    for r in range(rounds):
+        for b in (batches if r % 2 == 0 else batches[::-1]):
+            gens = kvlib.generate(model, [prompt] * b, steps + 1, eos_token_id=None, timed=True)
+            per_round[b].append(b / statistics.median(gens[0].step_s))
+    return per_round, _flags({f"batch {b}": v for b, v in per_round.items()})
+
+
+def throughput_figure(per_round: dict, floor: dict, cards: dict, fits: dict, label: str,
+                      context: int) -> Figure:
+    """Left: tokens/s by batch on this machine (median, range of the rounds) beside the bandwidth
+    limit. Right: the bandwidth limit of named cards for Qwen3-4B, with what 12 GiB admits."""
+    batches = list(per_round)
+    fig = Figure(figsize=(12, 4), layout="constrained")
+    fig.suptitle("Tokens/s against batch size", fontweight="bold")
+    left, right = fig.subplots(1, 2)
+    (line,) = left.plot(batches, [statistics.median(v) for v in per_round.values()], "o-",
+                        label="measured (median of rounds)")
+    left.fill_between(batches, [min(v) for v in per_round.values()],
+                      [max(v) for v in per_round.values()], color=line.get_color(), alpha=0.2, lw=0,
+                      label="measured: range of the rounds")
+    left.plot(batches, [floor[b] for b in batches], "--", color="0.4",
+              label="bandwidth limit (tokens/s): bytes / copy bandwidth")
+    left.set(title=textwrap.fill(f"SmolLM2-135M · {label}", 110), xlabel="batch",
+             ylabel="tokens/s (log scale)",
+             xticks=batches)
+    left.title.set_fontsize(7)
+    most = max(fits.values())
+    for card, curve in cards.items():
+        (line,) = right.plot(list(curve), list(curve.values()),
+                             label=f"{card}: bandwidth limit (tokens/s)")
+        right.plot(list(fits.values()), [curve[b] for b in fits.values()], "o",
+                   color=line.get_color())
+    for (name, b), color in zip(fits.items(), ("tab:red", "tab:green")):
+        right.axvline(b, color=color, ls=":",
+                      label=f"fits 12 GiB at {context:,} tokens: {name} ({b})")
+    right.set(title="Qwen3-4B bf16: bandwidth limit, an upper bound, not a forecast",
+              xlabel="batch", ylabel="tokens/s (log scale)", xlim=(0, most + 1))
+    right.title.set_fontsize(9)
+    for axis in (left, right):
+        axis.set_yscale("log")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    return fig
+
+
+def gather_bytes(config, n: int, block: int = 16, itemsize: int = 4) -> int:
+    """K and V of ``n + 1`` slots in whole blocks, every layer: what a paged step's views copy."""
+    return (2 * config.num_hidden_layers * kv_heads(config) * -(-(n + 1) // block) * block
+            * config.head_dim * itemsize)
+
+
+def filled(model, kind: str, n: int, block: int = 16):
+    """A slab or paged cache of random K/V in slots 0..n, ``seq_len`` n: a step rewrites slot n."""
+    config, device, dtype = model.config, model.device, model.dtype
+    cache = (KVCache.for_model(config, n + 1, device=device, dtype=dtype) if kind == "slab" else
+             PagedCache(BlockPool.for_model(config, -(-(n + 1) // block), block, device=device,
+                                            dtype=dtype)))
+    kv = torch.randn(n + 1, cache.n_kv_heads, cache.head_dim,
+                     generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    for layer in range(cache.n_layers):
+        cache.write(layer, 0, kv, kv)
+    cache.seq_len = n
+    return cache
+
+
+def paging_cost(model, token, contexts=(256, 1024, 2048), rounds: int = 4):
+    """({(kind, n): [ms of each round]}, flagged): at each context, the slab step, the paged step,
+    and the paged cache's gathers alone, interleaved in rounds (each a median of 5 calls)."""
+    kinds = ("slab step", "paged step", "gathers alone")
+    out = {(kind, n): [] for kind in kinds for n in contexts}
+    for n in contexts:
+        slab, paged = filled(model, "slab", n), filled(model, "paged", n)
+
+        def gathers(paged=paged, n=n):  # each layer's view, dropped before the next, as in a step
+            for layer in range(model.config.num_hidden_layers):
+                k, v = paged.view(layer, n + 1)
+                del k, v
+
+        calls = {"slab step": lambda slab=slab, n=n: kvlib.forward(model, token, slab, n),
+                 "paged step": lambda paged=paged, n=n: kvlib.forward(model, token, paged, n),
+                 "gathers alone": gathers}
+        for r in range(rounds):
+            for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+                out[kind, n].append(time_fn(calls[kind], device=model.device, warmup=1,
+                                            repeats=5).ms)
+    flagged = _flags({f"{kind} at {n:,}": v for (kind, n), v in out.items()})
+    return out, flagged
+
+
+def paging_figure(round_ms: dict, predicted: dict, label: str, flagged: list) -> Figure:
+    """What reading pages adds per step: the paged step minus the slab step (round by round) and
+    the gathers alone, medians with the range of the rounds, beside the prediction. A disturbed run
+    is said once, in the label: no note box sits on the frame."""
+    contexts = sorted(predicted)
+    extra = {n: [p - s for s, p in zip(round_ms["slab step", n], round_ms["paged step", n])]
+             for n in contexts}
+    alone = {n: round_ms["gathers alone", n] for n in contexts}
+    fig = Figure(figsize=(7.5, 4.2), layout="constrained")
+    ax = fig.add_subplot()
+    fig.suptitle("What reading pages adds per decode step", fontweight="bold")
+    note = " · DISTURBED: rounds of the same work over 1.5x apart" if flagged else ""
+    ax.set_title(textwrap.fill(f"SmolLM2-135M, pages of 16; medians, bars: range of the rounds · "
+                               f"{label}{note}", 110), fontsize=7, color="0.35")
+    step = (contexts[-1] - contexts[0]) / 40  # side by side, so the bars do not hide each other
+    for (name, samples, color), shift in zip(
+            (("paged step minus slab step, round by round", extra, "tab:blue"),
+             ("gathers alone (view(): a new tensor per layer)", alone, "tab:red")), (-step, step)):
+        mid = [statistics.median(samples[n]) for n in contexts]
+        ax.errorbar([n + shift for n in contexts], mid,
+                    yerr=[[m - min(samples[n]) for m, n in zip(mid, contexts)],
+                          [max(samples[n]) - m for m, n in zip(mid, contexts)]],
+                    fmt="o", capsize=4, color=color, label=name)
+    ax.plot(contexts, [predicted[n] for n in contexts], "--", color="0.3",
+            label="PREDICTION: 2 x gather bytes / copy bandwidth")
+    ax.axhline(0, color="0.6", lw=0.8)
+    ax.set(xlabel="context (tokens)", ylabel="ms per step", xticks=contexts)
+    quart = [q for v in (*extra.values(), *alone.values()) for q in np.percentile(v, (25, 75))]
+    quart += list(predicted.values())
+    pad = 0.3 * (max(quart) - min(quart))  # an outlying round runs off the frame, not the scale
+    ax.set_ylim(min(0, min(quart) - pad), max(quart) + pad)
+    ax.margins(x=0.08)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    return fig

@@ -1,0 +1,72 @@
+"""The reading load of each notebook, counted from its committed JSON.
+
+A learner has an afternoon: every notebook should read in at most 30 minutes and the whole
+course (deep dives included) in at most 300. The rates are a reader's, not a skimmer's:
+markdown at 140 words a minute, printed output at 200, non-blank code lines at 25. Hedges
+count the words that talk about the measuring rather than the cache; a notebook keeps at
+most 12. ``python -m course.reading`` prints the table; ``tests/test_reading.py`` holds the
+budget.
+"""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+MD_WPM, OUTPUT_WPM, CODE_LPM = 140, 200, 25
+NOTEBOOK_MINUTES, COURSE_MINUTES, HEDGES = 30, 300, 12
+HEDGE_WORDS = ("verdict", "disturb", "prediction", "borne out", "within the spread",
+               "this run", "original design", "not measurable", "not explained", "hypothesis")
+ROOT = Path(__file__).resolve().parents[1] / "notebooks"
+
+
+def _text(value):
+    return "".join(value) if isinstance(value, list) else value
+
+
+def _output_text(output):
+    if output.get("output_type") == "stream":
+        return _text(output.get("text", ""))
+    if output.get("output_type") == "error":
+        return "\n".join(output.get("traceback", []))
+    if output.get("output_type") == "execute_result":
+        return _text(output.get("data", {}).get("text/plain", ""))
+    return ""  # a figure's "<Figure size ...>" is not read
+
+
+def load(path):
+    """One notebook's counts: words of markdown and output, code lines, hedges, minutes."""
+    cells = json.loads(Path(path).read_text())["cells"]
+    md = [_text(c["source"]) for c in cells if c["cell_type"] == "markdown"]
+    code = [_text(c["source"]) for c in cells if c["cell_type"] == "code"]
+    out = [_output_text(o) for c in cells if c["cell_type"] == "code" for o in c.get("outputs", [])]
+    md_words = sum(len(s.split()) for s in md)
+    code_lines = sum(1 for s in code for line in s.splitlines() if line.strip())
+    out_words = sum(len(s.split()) for s in out)
+    everything = "\n".join(md + code + out).lower()
+    hedges = sum(len(re.findall(re.escape(w), everything)) for w in HEDGE_WORDS)
+    minutes = md_words / MD_WPM + out_words / OUTPUT_WPM + code_lines / CODE_LPM
+    return {"notebook": Path(path).name, "minutes": round(minutes, 1), "md_words": md_words,
+            "code_lines": code_lines, "output_words": out_words, "hedges": hedges}
+
+
+def notebooks(root=ROOT):
+    """Every notebook of the course, the deep dives included, in reading order."""
+    return sorted(root.glob("*.ipynb")) + sorted((root / "deep-dives").glob("*.ipynb"))
+
+
+def table(root=ROOT):
+    rows = [load(p) for p in notebooks(root)]
+    lines = ["| notebook | minutes | md words | code lines | output words | hedges |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['notebook']} | {r['minutes']:.0f} | {r['md_words']:,} | {r['code_lines']:,} "
+              f"| {r['output_words']:,} | {r['hedges']} |" for r in rows]
+    total = sum(r["minutes"] for r in rows)
+    lines.append(f"| all | {total:.0f} | {sum(r['md_words'] for r in rows):,} "
+                 f"| {sum(r['code_lines'] for r in rows):,} "
+                 f"| {sum(r['output_words'] for r in rows):,} | {sum(r['hedges'] for r in rows)} |")
+    return rows, "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT)[1])
