@@ -18,8 +18,10 @@ import sys
 from pathlib import Path
 
 import torch
+import transformers
+from packaging import version
 from tqdm import tqdm
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StaticCache, StoppingCriteria, StoppingCriteriaList
 from transformers.utils import logging as hf_logging
 
 from kvlib.bandwidth import decode_bytes, floor_s_per_token, measure_bandwidth
@@ -29,12 +31,13 @@ from kvlib.decoder import forward
 from kvlib.env import default_device, describe, label, resolve
 from kvlib.kv_cache import KVCache
 from kvlib.loop import generate
-from kvlib.memory import MemoryTrace, allocator_budget, cap_memory, free, largest, memory_stats
+from kvlib.memory import allocator_budget, cap_memory, free, largest, memory_stats
 from kvlib.meter import cache_bytes_per_step
-from kvlib.models import hf_static_cache, load_model
+from kvlib.models import load_model
 from kvlib.timing import StepTimer
 
 from . import plots
+from .memory_trace import MemoryTrace
 
 CACHES = ("prealloc", "cat", "hf_dynamic", "hf_static")
 METERED = ("prealloc", "cat")  # kvlib's own caches: the meter can split their bytes out
@@ -53,6 +56,14 @@ class _Clock(StoppingCriteria):
         self.started = True
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
+
+
+def hf_static_cache(model, max_cache_len: int) -> dict:
+    """``generate`` keyword arguments for a ``StaticCache`` of exactly ``max_cache_len`` slots
+    (``cache_implementation="static"`` never sizes a cache below the largest before it)."""
+    new = version.parse(transformers.__version__) >= version.parse("5.24")
+    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    return {"cache" if new else "past_key_values": cache}
 
 def ms_per_token(model, prompt, kind: str, steps: int, chunk: int) -> float:
     """Median decode-step time, in ms, after ``prompt``: the prefill is not counted."""

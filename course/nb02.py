@@ -15,10 +15,11 @@ from kvlib.cards import Card, card
 from kvlib.cat_cache import CatCache
 from kvlib.config import GIB, MIB
 from kvlib.kv_cache import KVCache
-from kvlib.memory import free, memory_snapshot, memory_stats
+from kvlib.memory import free, memory_stats
 from kvlib.simulate import simulate
 
 from . import plots
+from .memory_trace import memory_snapshot
 
 H200 = "H200, allocator capped at 12 GiB"  # how a figure from figures/h200/ is named, always
 
@@ -82,7 +83,7 @@ def fragmentation_figure():
         fontsize=9, arrowprops={"arrowstyle": "->", "color": "0.3"})
     before = next(t for t in data["tries"]["cat"] if t["tokens"] == data["cat"])["allocated_before"]
     ax.annotate(f"{before / GIB:.1f} GiB before the first token:\nweights + runtime",
-                (0, before / GIB), xytext=(2.5, before / GIB - 0.3), fontsize=9, va="center",
+                (0, before / GIB), xytext=(0.8, 9.6), fontsize=9, va="center",
                 arrowprops={"arrowstyle": "->", "color": "0.3"})
     top = data["budget"] / GIB * 1.04
     ax.axhline(data["budget"] / GIB, color="black", lw=1)
@@ -90,16 +91,19 @@ def fragmentation_figure():
     for tokens, name, style, side in ((data["cat"], "cat", "-.", "right"),
                                       (data["prealloc"], "preallocated", ":", "left")):
         ax.axvline(tokens / 1000, color="0.3", ls=style, lw=1)
-        ax.text(tokens / 1000 + (-0.15 if side == "right" else 0.15), 7.15,
-                f"longest under the cap,\n{name} cache: {tokens:,}", rotation=90, ha=side,
+        ax.text(tokens / 1000 + (-0.1 if side == "right" else 0.1), 6.25, name, ha=side,
                 va="bottom", fontsize=8)
-    ax.text(data["cat"] / 1000 - 0.2, top - 0.12, f"{data['prealloc'] - data['cat']:,} tokens "
-            "apart ->", ha="right", va="top", fontsize=8)
+    lost = data["prealloc"] - data["cat"]
+    ax.annotate("", (data["prealloc"] / 1000, 6.9), xytext=(data["cat"] / 1000, 6.9),
+                arrowprops={"arrowstyle": "<->", "color": "0.2"})
+    ax.text(data["cat"] / 1000 - 0.3, 6.9, f"longest under the cap: cat {data['cat']:,} tokens,\n"
+            f"preallocated {data['prealloc']:,} ({lost:,} more, {lost / data['prealloc']:.0%})",
+            ha="right", va="center", fontsize=11, fontweight="bold")
     ax.set(xlabel="thousands of tokens in the cache", ylabel="GiB",
-           ylim=(7, top), xlim=(0, data["prealloc"] / 1000 * 1.06))
+           ylim=(6.2, top), xlim=(0, data["prealloc"] / 1000 * 1.06))
     ax.grid(alpha=0.3)
     ax.spines[["top", "right"]].set_visible(False)
-    ax.legend(fontsize=8, loc="lower center")
+    ax.legend(fontsize=8, loc="lower left")
     plots.save(fig, "nb02_fragmentation", {"trace": trace, "cat": data["cat"],
                                            "prealloc": data["prealloc"]}, label)
     return fig
@@ -110,7 +114,7 @@ def cat_step_figure(t: int = 6) -> Figure:
     write one, free ``t``, which is too short for the next step's ``t + 2`` unless free neighbours
     merge with it."""
     old, new = "tab:blue", "tab:orange"
-    fig = Figure(figsize=(9.5, 4.6), layout="constrained")
+    fig = Figure(figsize=(9.5, 4.0), layout="constrained")
     fig.suptitle(f"One decode step of a cat cache: one layer's K (V is the same), t = {t} slots "
                  "held before it", fontweight="bold")
     ax = fig.add_subplot()
@@ -127,7 +131,7 @@ def cat_step_figure(t: int = 6) -> Figure:
         if text:
             ax.text(-0.3, y + 0.4, text, ha="right", va="center", fontsize=8)
 
-    slots(0, 6.0, t, old, f"1. before: K [1, Hkv, t={t}, D]")
+    slots(0, 5.0, t, old, f"1. before: K [1, Hkv, t={t}, D]")
     slots(0, 3.8, t, old, "2. during: the old K, alive")
     slots(0, 2.5, t, old, f"the new K [1, Hkv, t+1={t + 1}, D]")
     slots(t, 2.5, 1, new, first=t)
@@ -142,7 +146,7 @@ def cat_step_figure(t: int = 6) -> Figure:
     slots(t, -0.4, 1, new, first=t)
     ax.text(t + 1.4, 0.9, f"the freed block of {t} slots is too short for\nthe next step, which "
             f"asks for {t + 2}", fontsize=8, va="center")
-    ax.set(xlim=(-8, 17.5), ylim=(-0.7, 7.0))
+    ax.set(xlim=(-8, 17.5), ylim=(-0.7, 6.0))
     ax.axis("off")
     plots.save(fig, "nb02_cat_step", {"t": t, "allocated_slots": t + 1, "copied_slots": t,
                                       "alive_at_once": 2 * t + 1}, label)
@@ -204,8 +208,7 @@ def on_this_card(device, dtype, context: int, label: str) -> None:
     """On a GPU under the 12 GiB cap: the ``cat`` cache run past the card's end, and an allocator
     history of its first steps for https://pytorch.org/memory_viz. Off a GPU: one line saying so."""
     if device.type != "cuda":
-        print("No GPU here: the reference above is a real allocator's answer; on a GPU this cell "
-              "runs the same cat cache on the card")
+        print("(GPU only)")
         return
     free(device)  # what the lesson model left cached
     big, _ = kvlib.load_model("random:qwen3-4b", device=device, dtype=dtype)

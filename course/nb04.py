@@ -240,10 +240,13 @@ def read_order(device, dtype, label, rounds=9):
     seq_ms, head_ms = ms["seq-major view"], ms["head-major view"]
     ratio = min(seq_ms) / min(head_ms)  # the fastest round of each: the least disturbed
     slower = sum(a > b for a, b in zip(seq_ms, head_ms))
-    print(f"{label}\nkvlib's decode call over {seq:,} slots ({hq} query / {hkv} KV heads), "
-          f"fastest of {rounds} rounds: seq-major view {min(seq_ms):.3f} ms, head-major view "
-          f"{min(head_ms):.3f} ms\nseq-major / head-major = {ratio:.2f}x; seq-major slower in "
-          f"{slower} of {rounds} paired rounds")
+    layers = cfg.num_hidden_layers
+    print(f"{label}\none layer's attention call for a decode step over {seq:,} slots "
+          f"({hq} query / {hkv} KV heads), fastest of {rounds} rounds: seq-major view "
+          f"{min(seq_ms):.3f} ms, head-major view {min(head_ms):.3f} ms\n"
+          f"seq-major / head-major = {ratio:.2f}x; seq-major slower in {slower} of {rounds} "
+          f"paired rounds; x {layers} layers = {layers * min(seq_ms):.1f} ms against "
+          f"{layers * min(head_ms):.1f} ms of attention per decode step")
     return ratio
 
 
@@ -260,7 +263,8 @@ def cudnn_reference():
         print("no H200 reference committed: the cost of cuDNN's plans is not shown here")
         return None
     new, seen, flash = (float(x) for x in found.groups())
-    print(f"H200 reference (figures/h200/README.md), measured with torch {torch_ref[1]}; this run "
-          f"has torch {torch.__version__}: cuDNN attention, a length it had not seen {new} ms per "
-          f"decode call, a length seen before {seen} ms; flash {flash} ms either way")
+    print(f"H200 reference, allocator capped at 12 GiB, torch {torch_ref[1]} "
+          f"(figures/h200/README.md): "
+          f"cuDNN attention, a length it had not seen {new} ms per decode call, a length seen "
+          f"before {seen} ms; flash {flash} ms either way")
     return new, seen, flash

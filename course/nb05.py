@@ -2,8 +2,9 @@
 
 The notebook keeps what it teaches (fixed addresses and shapes, the bucket arithmetic, split-KV
 attention built from its partial sums, the grid arithmetic); this module holds what counts, reads
-files, times and draws: the kernel counter, the H200 reference figure and the split-KV step's
-prediction, the host-sync detector, and the GPU run of eager, static and graph decode.
+files, times and draws: the cache wrapper that logs attention's shapes, the kernel counter, the
+H200 reference figure and the split-KV step's prediction, the host-sync detector, and the GPU run
+of eager, static and graph decode.
 """
 
 import re
@@ -21,11 +22,31 @@ from kvlib.meter import decode_kernels
 
 from . import plots
 
-__all__ = ["HostSyncs", "gpu_decode", "h200_figure", "h200_reference", "kernels_per_layer",
-           "predict"]
+__all__ = ["HostSyncs", "ShapeLog", "gpu_decode", "h200_figure", "h200_reference",
+           "kernels_per_layer", "predict"]
 
 aten = torch.ops.aten
 H200_LABEL = "H200, allocator capped at 12 GiB"
+
+
+class ShapeLog:
+    """Wraps a cache; notes the shape of every K view layer 0's attention reads (section 1)."""
+
+    def __init__(self, cache):
+        object.__setattr__(self, "cache", cache)
+        object.__setattr__(self, "shapes", [])
+
+    def view(self, layer, seq):
+        k, v = self.cache.view(layer, seq)  # [1, Hkv, seq, D], views
+        if layer == 0:
+            self.shapes.append(tuple(k.shape))
+        return k, v
+
+    def __getattr__(self, name):  # everything else: the wrapped cache
+        return getattr(self.cache, name)
+
+    def __setattr__(self, name, value):  # StaticStep sets attributes on the cache it holds
+        setattr(self.cache, name, value)
 
 
 # --- kernels per layer, before and after -----------------------------------------------------
@@ -110,7 +131,8 @@ def h200_figure(ref) -> Figure:
             label=f"bytes floor: weights + KV at the measured bandwidth, "
                   f"+{ref['floor_us_per_slot']:.3f} µs per slot")
     c8, c16 = ref["contexts"]
-    for lo, hi, ls, what in ((0, c8, ":", "extrapolated"), (c8, c16, "-", "through its points")):
+    for lo, hi, ls, what in ((0, c8, ":", "extrapolated from 2 contexts"),
+                             (c8, c16, "-", "through its points")):
         x = [lo, hi]
         ax.plot(x, [ref["intercept_ms"] + 1e-3 * ref["us_per_slot"] * v for v in x],
                 color="tab:blue", lw=1, ls=ls,
@@ -128,7 +150,8 @@ def h200_figure(ref) -> Figure:
                   for s in ("eager", "static"))
     guess = predict(ref, now, after, ref["contexts"])
     ax.plot(list(guess), list(guess.values()), "o", mfc="none", color="tab:green",
-            label=f"PREDICTION: kvlib's split-KV graph step ({after:,} kernels), not yet timed")
+            label=f"PREDICTION: kvlib's split-KV graph step ({after:,} kernels), "
+                  "estimated (section 6)")
     ax.set(xlabel="context (slots attended)", ylabel="ms per token", ylim=(0, None))
     ax.grid(alpha=0.3)
     ax.spines[["top", "right"]].set_visible(False)

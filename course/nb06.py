@@ -32,33 +32,54 @@ def card_dtype(card) -> torch.dtype:
     return torch.bfloat16 if card.sm >= 8.0 else torch.float16
 
 
+def cards_table(config, window: int) -> dict:
+    """Per card of the table (the course's "12 GiB" budget is the RTX 3060 row): each cache's
+    longest context by the plan, capped at the window, and the floor of a step there, in ms."""
+    table = {}
+    for name, card in CARDS.items():
+        if name == "12 GiB":
+            continue
+        dtype = card_dtype(card)
+        row = {}
+        for cache in CACHES:
+            context = min(plan_budget(config, dtype, card.memory, cache=cache).max_context, window)
+            row[cache] = {"context": context,
+                          "ms": card.predicted_ms_per_token(config, dtype, context, cache)}
+        table[name] = row
+    return table
+
+
 def cards_figure(table: dict, window: int, label: str) -> Figure:
-    """Two panels, one row per card: the longest context (the plan, capped at the model's window)
-    and the tokens/s ceiling there, prealloc against cat. ``table``: the notebook's rows."""
+    """Two panels, one row per card, prealloc against cat: each cache's longest context (the plan,
+    capped at the model's window) and its tokens/s ceiling there. ``table``: ``cards_table``."""
     fig = Figure(figsize=(9.0, 4.2), layout="constrained")
     fig.suptitle("Qwen3-4B on each card: how long a conversation, how fast at most",
                  fontweight="bold")
     left, right = fig.subplots(1, 2, sharey=True)
     names = list(table)
-    bars = left.barh(names, [row["context"] for row in table.values()], color="tab:green")
-    left.bar_label(bars, [f"{row['context']:,}" for row in table.values()], padding=2, fontsize=7)
-    left.axvline(window, color="0.3", ls="--", lw=1)
-    left.text(window, 1.0, f"the model's window, {window:,}", transform=left.get_xaxis_transform(),
-              ha="center", va="bottom", fontsize=7, color="0.3")  # on its line, in its panel
-    left.set(xlabel="longest context (tokens), prealloc", xlim=(0, 1.3 * window))
     for j, cache in enumerate(CACHES):
         ys = [i + (j - 0.5) * 0.4 for i in range(len(names))]
-        bars = right.barh(ys, [1e3 / row[cache] for row in table.values()], height=0.38,
-                          color=plots.CACHE_COLORS[cache], label=f"{cache}: tokens/s at most")
-        right.bar_label(bars, fmt="%.0f", padding=2, fontsize=7)
-    right.set(xlabel="tokens/s at that context, at most (bandwidth floor)")
+        contexts = [row[cache]["context"] for row in table.values()]
+        bars = left.barh(ys, contexts, height=0.38, color=plots.CACHE_COLORS[cache])
+        left.bar_label(bars, [f"{c:,}" for c in contexts], padding=2, fontsize=9)
+    left.set_yticks(range(len(names)), names)
+    left.axvline(window, color="0.3", ls="--", lw=1)
+    left.text(window, 1.0, f"the model's window, {window:,}", transform=left.get_xaxis_transform(),
+              ha="center", va="bottom", fontsize=8, color="0.3")  # on its line, in its panel
+    left.set(xlabel="longest context (tokens)", xlim=(0, 1.3 * window))
+    for j, cache in enumerate(CACHES):
+        ys = [i + (j - 0.5) * 0.4 for i in range(len(names))]
+        bars = right.barh(ys, [1e3 / row[cache]["ms"] for row in table.values()], height=0.38,
+                          color=plots.CACHE_COLORS[cache], label=cache)
+        right.bar_label(bars, fmt="%.0f", padding=2, fontsize=9)
+    right.set(xlabel="tokens/s at most there (bandwidth floor)")
     right.margins(x=0.12)
     left.invert_yaxis()
     for ax in (left, right):
         ax.grid(axis="x", alpha=0.3)
         ax.spines[["top", "right"]].set_visible(False)
-    right.legend(fontsize=7, loc="center right")  # beside the short bars
-    fig.supxlabel(textwrap.fill(label, 150), fontsize=7, color="0.35")
+    right.legend(fontsize=9, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False)
+    fig.supxlabel(textwrap.fill(label, 120), fontsize=8, color="0.35")
     return fig
 
 
@@ -110,31 +131,38 @@ def reference_label(label: str) -> str:
 
 def reference_longest() -> str:
     """The GPU reference (figures/h200/: an H200, allocator capped at 12 GiB), read from its JSON:
-    the longest context each cache reached under the real allocator, against the plan of the code
-    that ran there. The one line that prints the run's whole label."""
+    the longest context each cache reached under the real allocator, against the plan of the kvlib
+    that ran there, which held more than the one this notebook plans. The one line that prints the
+    run's whole label."""
     found = plots.gpu_reference("gpu_longest")
     if found is None:
         return "no GPU run committed in figures/: no reference to set beside the plan"
     data, label, _ = found
     planned = data["arithmetic"]
     return wrapped(f"REFERENCE ({reference_label(label)}): under the real allocator prealloc "
-                   f"reached {data['prealloc']:,} tokens, {data['prealloc'] / planned:.1%} of the "
-                   f"plan for the code that ran there ({planned:,}); cat {data['cat']:,}")
+                   f"reached {data['prealloc']:,} tokens and cat {data['cat']:,}; prealloc's is "
+                   f"{data['prealloc'] / planned:.1%} of the plan for the kvlib that ran "
+                   f"({planned:,})")
 
 
 def reference_step() -> str:
     """The same reference's decode step (prealloc, its longest context) against its floor: the
     bench times kvlib's eager loop (no CUDA graph; figures/h200/README.md), and its floor divides
-    the step's bytes by the copy speed measured on that card, not the datasheet's."""
+    the step's bytes by the copy speed measured on that card (the datasheet's beside it), and the
+    same step replayed as a CUDA graph, which issues no launches from the host."""
     found = plots.gpu_reference("bench")
     if found is None:
         return "no GPU run committed in figures/: no measured step to set beside the floor"
     data, _, _ = found
     ms, floor = data["caches"]["prealloc"]["ms_per_token"][-1], data["bandwidth"]["floor_ms"][-1]
+    copied, sheet = data["bandwidth"]["bytes_per_s"], CARDS["H200"].bandwidth
+    graph = data["cuda_graph"]
     return wrapped(f"REFERENCE (the same H200 run): an eager {data['model']} decode step at "
                    f"{data['contexts'][-1]:,} tokens took {ms:.1f} ms, {ms / floor:.0f}x its "
-                   f"floor of {floor:.2f} ms (its bytes over the "
-                   f"{data['bandwidth']['bytes_per_s'] / 1e12:.1f} TB/s this H200 copied at)")
+                   f"floor of {floor:.2f} ms (its bytes over the {copied / 1e12:.1f} TB/s this "
+                   f"H200 copied at; the datasheet's {sheet / 1e12:.1f} TB/s would give "
+                   f"{floor * copied / sheet:.2f} ms); replayed as a CUDA graph at "
+                   f"{graph['context']:,} tokens, {graph['graph_ms']:.1f} ms")
 
 
 def wrapped(text: str, indent: str = "  ") -> str:
@@ -176,6 +204,11 @@ def calculator_lines(model="qwen3-4b", dtype="bfloat16", batch=1, context=8192, 
                              "that far"))
     label = f"PREDICTION from the {model} config (arithmetic) · {dtype} · batch {batch}{layout}"
     return lines, b, label
+
+
+def calculator_text(*args, **kwargs) -> None:
+    """The calculator's answer as text only, without the bar: ``calculator_lines``'s arguments."""
+    print("\n".join(calculator_lines(*args, **kwargs)[0]))
 
 
 def calculator(model="qwen3-4b", dtype="bfloat16", batch=1, context=8192, budget_gib=12.0, block=1,

@@ -23,20 +23,20 @@ from kvlib.timing import time_fn
 
 from . import plots
 
-__all__ = ["accuracy", "answer_figure", "every_logits", "greedy", "sinks_figure", "tail_run",
-           "time_steps"]
+__all__ = ["accuracy", "answer_figure", "chunk_logits", "every_logits", "greedy", "sinks_figure",
+           "tail_run", "time_steps"]
 
 CHUNK = 128  # the text goes through in chunks, each over the slots the cache already holds
 SPREAD = 1.5  # rounds of the same work further apart than this: other programs took the time
 
 
 @torch.no_grad()
-def every_logits(model, cache, ids, chunk: int = CHUNK) -> torch.Tensor:
-    """Logits ``[n, V]`` at every position of ``ids [1, n]``, through ``kvlib.forward`` over
-    ``cache``: forward returns the last position's only, so two hooks catch the last layer's
-    residual stream and the model's own norm and head finish it. Checks, chunk by chunk, that the
-    hook's last row is forward's own logits."""
-    last, caught, out = model.model.layers[-1], {}, []
+def chunk_logits(model, cache, ids, chunk: int = CHUNK):
+    """Logits ``[n, V]`` at every position of each chunk of ``ids [1, N]``, chunk after chunk,
+    through ``kvlib.forward`` over ``cache``: forward returns the last position's only, so two hooks
+    catch the last layer's residual stream and the model's own norm and head finish it. Checks,
+    chunk by chunk, that the hook's last row is forward's own logits."""
+    last, caught = model.model.layers[-1], {}
     hooks = [last.post_attention_layernorm.register_forward_hook(
                  lambda m, args, o: caught.update(x=args[0])),
              last.mlp.register_forward_hook(lambda m, args, o: caught.update(mlp=o))]
@@ -45,11 +45,15 @@ def every_logits(model, cache, ids, chunk: int = CHUNK) -> torch.Tensor:
             final = forward(model, ids[:, start:start + chunk], cache, start)
             logits = model.lm_head(model.model.norm(caught["x"] + caught["mlp"]))[0]
             torch.testing.assert_close(logits[-1], final[0], rtol=1e-4, atol=1e-4)
-            out.append(logits)
+            yield logits
     finally:
         for hook in hooks:
             hook.remove()
-    return torch.cat(out)
+
+
+def every_logits(model, cache, ids, chunk: int = CHUNK) -> torch.Tensor:
+    """Logits ``[N, V]`` at every position of ``ids [1, N]`` (:func:`chunk_logits`, joined)."""
+    return torch.cat(list(chunk_logits(model, cache, ids, chunk)))
 
 
 def _score(name, per_token, logits, ref_logits, targets) -> dict:

@@ -7,21 +7,20 @@ Shapes are written in one axis legend, here and in every shape comment:
     L  layers                     Hq   query heads
     S  slots: cache length, or    Hkv  KV heads (Hq / Hkv query heads share one)
        the context attended to    D    head_dim
-    V  vocabulary                 d    hidden size
-"""
+    V  vocabulary                 d    hidden size"""
 
 from .cache import Cache
 from .cat_cache import CatCache
 from .decoder import forward
 from .env import auto_dtype, default_device, label
-from .graphs import forward_static
 from .kv_cache import KVCache
+from .latent_cache import LatentCache
 from .loop import Generation, generate
 from .meter import AllocMeter, MeteredCache
 from .models import load_model, model_names
 from .quant_cache import QuantCache
 from .ring_cache import RingCache
 
-__all__ = ["AllocMeter", "Cache", "CatCache", "Generation", "KVCache", "MeteredCache",
-           "QuantCache", "RingCache", "auto_dtype", "default_device", "forward", "forward_static",
+__all__ = ["AllocMeter", "Cache", "CatCache", "Generation", "KVCache", "LatentCache",
+           "MeteredCache", "QuantCache", "RingCache", "auto_dtype", "default_device", "forward",
            "generate", "label", "load_model", "model_names"]

@@ -1,16 +1,14 @@
 """The memory-bandwidth limit of decoding: a step reads every weight and cached K/V once, so it
-cannot take less than ``decode_bytes / bandwidth``, whatever the kernels do.
-"""
+cannot take less than ``decode_bytes / bandwidth``, whatever the kernels do."""
 
 import torch
 from transformers import PretrainedConfig
 
 from kvlib.budget import param_count
-from kvlib.config import MIB, kv_bytes_per_token, load_config
+from kvlib.config import MIB, kv_bytes_per_token
 from kvlib.timing import time_fn
 
-__all__ = ["decode_bytes", "floor_s_per_token", "mbu", "measure_bandwidth", "step_bytes",
-           "twin_config"]
+__all__ = ["decode_bytes", "floor_s_per_token", "mbu", "measure_bandwidth", "step_bytes"]
 
 
 def decode_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int, batch: int = 1) -> int:
@@ -29,26 +27,6 @@ def step_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int,
         raise ValueError(f"cache must be 'prealloc' or 'cat', not {cache!r}")
     copy_bytes = 2 * kv_bytes_per_token(config, dtype, batch) * context if cache == "cat" else 0
     return decode_bytes(config, dtype, context, batch) + copy_bytes
-
-
-def twin_config(context: int = 4096) -> PretrainedConfig:
-    """SmolLM2-135M in fp32, its MLP resized so that at ``context`` its KV is to its weights as
-    Qwen3-4B's in bf16 at 32K: the same ``cat`` / ``prealloc`` ratio, small enough for a CPU."""
-    base, like, dtype = "smollm2-135m", load_config("qwen3-4b"), torch.float32
-    bf16 = torch.bfloat16
-    target = kv_bytes_per_token(like, bf16) * 32768 / decode_bytes(like, bf16, 0)  # KV / weights
-    twin = load_config(base)
-    kv = kv_bytes_per_token(twin, dtype) * context
-    twin.intermediate_size = 0
-    fixed = decode_bytes(twin, dtype, 0)
-    twin.intermediate_size = 1
-    width = round((kv / target - fixed) / (decode_bytes(twin, dtype, 0) - fixed))
-    if width < 1:
-        raise ValueError(f"{base} at {context:,} tokens holds {kv / MIB:.0f} MiB of KV: too little "
-                         f"to reach qwen3-4b's KV/weights of {target:.3f} even with no MLP; take a "
-                         f"longer context")
-    twin.intermediate_size = width
-    return twin
 
 
 def measure_bandwidth(device: torch.device | str) -> float:

@@ -1,7 +1,6 @@
 """The memory budget, computed before anything runs: weights, KV per token and a forward's
 workspace (which grows with the context too) follow from the config, so the longest context with
-``weights + kv_bytes_per_token * context + workspace(context) <= budget`` is known in advance.
-"""
+``weights + kv_bytes_per_token * context + workspace(context) <= budget`` is known in advance."""
 
 from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
@@ -47,7 +46,9 @@ def weight_bytes(config: PretrainedConfig, dtype: torch.dtype) -> int:
 
 def meta_model(config: PretrainedConfig | str, dtype: torch.dtype = torch.bfloat16):
     """The real ``transformers`` model of a config (or a shipped one's name) built on ``meta``: the
-    full architecture, shapes without memory."""
+    full architecture, shapes without memory. A model passes through as it is."""
+    if isinstance(config, torch.nn.Module):
+        return config
     config = load_config(config) if isinstance(config, str) else config
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
@@ -63,16 +64,10 @@ def workspace_phases(config: PretrainedConfig, dtype: torch.dtype, tokens: int =
     """Transient bytes of each phase of kvlib's forward that can peak: ``(fixed, per token)``, for
     ``batch`` requests of n = ``tokens`` each after S cached ones (per token: of one's S).
 
-    All forward long: the residual and its norm, RoPE's cos and sin, positions and ids (int64), the
-    last logits; and, where no fused kernel takes the causal rule itself (math; fp32 with grouped
-    heads), each request's mask ``[group * n, S]``, built once for all layers. On top, one at a
-    time: ``mask`` (while one is built: the visibility ``[n, S]``, zeros, their masked copy);
-    ``attention`` (the last request's: q, k, v, the outputs so far; fused: log-sum-exp and, masked,
-    the folded q and a padded mask copy; math: the folded q, it and K, V in fp32, the scores and
-    softmax ``[Hq, n, S]`` in fp32, their -inf tests); ``scores`` (math, as they are made: with K
-    scaled, which peaks a decode step); ``cat`` (a layer's old V while the longer one is built);
-    ``mlp`` (gate, up, product); ``norm`` (Qwen3's q_norm, in fp32); ``logits`` (and an fp32 copy).
-    """
+    All forward long (``base``): the residual and its norm, RoPE's cos and sin, positions and ids
+    (int64), the last logits; and, where no fused kernel takes the causal rule itself (math; fp32
+    with grouped heads), each request's mask ``[group * n, S]`` (``held``), built once for all
+    layers. On top, one phase at a time: the tensors its comment below names."""
     if attention not in ATTENTION or cache not in ("prealloc", "cat"):
         raise ValueError(f"attention must be one of {ATTENTION} and cache prealloc or cat, "
                          f"got {attention!r}, {cache!r}")
@@ -83,13 +78,12 @@ def workspace_phases(config: PretrainedConfig, dtype: torch.dtype, tokens: int =
     held = B * n * g * e if masked else 0  # per token of context: every request's mask
     base = B * n * (2 * d * e + 2 * D * e + 16) + B * V * e
     out, qkv = n * Hq * D * e, B * n * (Hq + 2 * Hkv) * D * e  # out: one request's [n, Hq, D]
-    phases = {"mlp": (base + 3 * B * n * config.intermediate_size * e, held),
-              "logits": (base + B * V * (e + 4 if e < 4 else e), held)}
-    if config.model_type == "qwen3":  # q_norm: q in fp32 (a copy unless it is), its product, and
-        # its mean square and rsqrt [n, Hq]
+    phases = {"mlp": (base + 3 * B * n * config.intermediate_size * e, held),  # gate, up, product
+              "logits": (base + B * V * (e + 4 if e < 4 else e), held)}  # and an fp32 copy
+    if config.model_type == "qwen3":  # q_norm: fp32 q (unless it is), product, mean square, rsqrt
         phases["norm"] = (base + qkv + B * n * Hq * (D * (8 if e < 4 else 4) + 8), held)
     qkv += (B - 1) * out  # from the attention on: + the earlier requests' outputs
-    if masked:
+    if masked:  # while one is built: the visibility [n, S], zeros, their masked copy
         phases["mask"] = (B * V * e, held - n * g * e + n * (1 + (2 + g) * e))
     if attention == "fused":  # + output, log-sum-exp; masked: the folded q, the mask padded by 8
         fold = (out + g * n * 8 * e, g * n * e) if masked else (0, 0)
@@ -97,7 +91,7 @@ def workspace_phases(config: PretrainedConfig, dtype: torch.dtype, tokens: int =
     else:  # + q folded, in fp32, scaled; K, V in fp32; scores, softmax; their -inf tests in bool
         fixed = base + qkv + out + 2 * n * Hq * D * 4 + 4  # + the scale, an fp32 scalar
         phases["attention"] = (fixed + n * Hq, held + 2 * Hkv * D * 4 + Hq * n * 9)
-        phases["scores"] = (fixed, held + 3 * Hkv * D * 4 + Hq * n * 4)  # + K scaled, scores
+        phases["scores"] = (fixed, held + 3 * Hkv * D * 4 + Hq * n * 4)  # + K scaled: peaks decode
     if cache == "cat":  # the old V holds the S cached slots but not the n new ones
         phases["cat"] = (base + qkv - n * Hkv * D * e, held + Hkv * D * e)
         if "norm" in phases:  # before its write: the last layer's KV lacks the n new slots

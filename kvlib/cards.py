@@ -4,10 +4,11 @@ call runs, what it allocates on the simulated card, and the bandwidth floor of a
 Sheets write memory in "GB", but chips come in binary sizes, so ``memory`` reads the GB as GiB:
 the ceiling. A GDDR card with ECC on stores its check bits in that memory and shows less of it (a
 T4, ECC on by default: 15 of its 16 GiB); HBM keeps them aside. Bandwidth is decimal.
-Compute capabilities: https://developer.nvidia.com/cuda-gpus.
-"""
+Compute capabilities: https://developer.nvidia.com/cuda-gpus."""
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,11 +33,7 @@ class Card:
     bandwidth: float  # bytes/s, decimal
     source: str
     ecc_share: float = 0.0  # of the memory held for ECC check bits, out of the programs' reach
-
-    @property
-    def memory(self) -> int:
-        """Bytes the programs can have: the sheet's GB read as GiB, less what ECC holds."""
-        return int(self.memory_gb * GIB * (1 - self.ecc_share))
+    memory = property(lambda self: int(self.memory_gb * GIB * (1 - self.ecc_share)))  # bytes
 
     def predicted_ms_per_token(self, config: PretrainedConfig, dtype: torch.dtype, context: int,
                                cache: str = "prealloc") -> float:
@@ -45,26 +42,10 @@ class Card:
         return 1e3 * floor_s_per_token(step_bytes(config, dtype, context, cache), self.bandwidth)
 
 
-_A100 = ("https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
-         "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf")
-CARDS = {c.name: c for c in (
-    Card("T4", 16, 7.5, 320e9, "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/"
-         "tesla-t4/t4-tensor-core-datasheet-951643.pdf (16 GB GDDR6, 320+ GB/s); ECC on, as on "
-         "Colab, holds 1/16", ecc_share=1 / 16),
-    Card("RTX 3060", 12, 8.6, 360e9, "https://www.nvidia.com/en-us/geforce/graphics-cards/"
-         "30-series/rtx-3060-3060ti/ (12 GB GDDR6, 192-bit at 15 Gbps: 360 GB/s)"),
-    Card("RTX 4070", 12, 8.9, 504e9, "https://www.nvidia.com/en-us/geforce/graphics-cards/"
-         "40-series/rtx-4070-family/ (12 GB GDDR6X, 192-bit at 21 Gbps: 504 GB/s)"),
-    Card("A100 40GB", 40, 8.0, 1555e9, _A100 + " (40GB HBM2, 1,555 GB/s)"),
-    Card("A100 80GB", 80, 8.0, 2039e9, _A100 + " (80GB HBM2e SXM, 2,039 GB/s)"),
-    Card("H100 80GB", 80, 9.0, 3.35e12, "https://www.nvidia.com/en-us/data-center/h100/ "
-         "(H100 SXM: 80GB, 3.35 TB/s)"),
-    Card("H200", 141, 9.0, 4.8e12, "https://www.nvidia.com/en-us/data-center/h200/ "
-         "(141GB HBM3e, 4.8 TB/s)"),
-    # The course's budget, not a product: exactly 12 GiB (the allocator cap of kvlib.memory), on an
-    # RTX 3060-like card, the cheapest 12 GB one (sm and bandwidth as above).
-    Card("12 GiB", 12, 8.6, 360e9, "the course's 12 GiB budget; sm and bandwidth of the RTX 3060"),
-)}
+# The sheets' numbers, each with its page. "12 GiB" is no product: the course's budget
+# (kvlib.memory's allocator cap) on the cheapest 12 GB card.
+_SHEETS = json.loads((Path(__file__).parent / "cards.json").read_text())
+CARDS = {c["name"]: Card(**c) for c in _SHEETS}
 
 
 def card(name: str | Card) -> Card:

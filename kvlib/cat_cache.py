@@ -1,6 +1,5 @@
 """The naive baseline, what ``transformers``' ``DynamicCache`` does: per layer ``[1, Hkv, S, D]``
-tensors, and each new token makes new ones of ``S + 1`` slots, copying the old contents across.
-"""
+tensors, and each new token makes new ones of ``S + 1`` slots, copying the old contents across."""
 
 import torch
 

@@ -1,6 +1,5 @@
 """What a model's config says about its KV cache, and the byte units. The course's configs ship in
-``kvlib/configs/``, so the arithmetic and the ``meta`` models built from it need no network.
-"""
+``kvlib/configs/``, so the arithmetic and the ``meta`` models built from it need no network."""
 
 import json
 from pathlib import Path

@@ -5,9 +5,8 @@ batch packs every request's tokens into one row ``[1, N]``: the weights are read
 Grouped-query attention is never expanded with a copy. Where a query sees every slot (decode), each
 KV head's query heads are folded into rows, ``[1, Hkv, group * n, D]``, a call every fused kernel
 takes. A prefill chunk, after cached slots or not, is causal with ``enable_gqa`` by the kernel's own
-bottom-right rule, no mask in memory, where a fused kernel takes it; otherwise it is folded with a
-mask. cuDNN attention is off: it plans every new shape.
-"""
+bottom-right rule where a fused kernel takes it (no mask on CUDA, an ``[n, S]`` bool one on a CPU);
+otherwise it is folded with a mask. cuDNN attention is off: it plans every new shape."""
 
 import functools
 import sys
@@ -121,7 +120,9 @@ class _Pass:
     write: Callable[[Cache, int, torch.Tensor, torch.Tensor], None]  # (cache, layer, k, v)
     end: int  # slots read: 0..end
     mask: torch.Tensor | None  # [group * n, end] additive, folded rows; or the causal rule; or None
-    causal: bool  # unfolded, enable_gqa, ``mask`` is ``causal_lower_right``: no mask in memory
+    causal: bool  # unfolded, enable_gqa, ``mask`` is ``causal_lower_right`` (no mask on CUDA)
+    at: int  # the RoPE position of its first new token
+    rope: tuple | None  # (cos, sin) [1, S, D] of the slots read, if the cache holds keys unrotated
 
 
 @functools.cache
@@ -140,6 +141,8 @@ def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
     n, D = q.shape[1], attn.head_dim
     p.write(p.cache, layer, k, v)
     keys, values = p.cache.view(layer, p.end)  # [1, Hkv, S, D]
+    if p.rope:  # keys at their places in the cache; the model's RoPE rotates a pair (q: no heads)
+        keys = _rope_of(type(attn))(keys[:, :0], keys, *p.rope, unsqueeze_dim=1)[1]
     q = q.transpose(1, 2)  # [1, Hq, n, D]; query head h reads KV head h // group
     if p.causal:  # query i sees slots up to end - n + i: the bottom-right causal rule
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=p.mask, scale=attn.scaling,
@@ -159,8 +162,10 @@ def _attention(attn, h: torch.Tensor, layer: int, cos, sin, passes: list[_Pass])
     v = attn.v_proj(h).view(1, N, -1, D)
     if hasattr(attn, "q_norm"):  # RMSNorm over head_dim, before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = _rope_of(type(attn))(q, k, cos, sin, unsqueeze_dim=2)  # heads on dim 2
-    o = [_attend(attn, q[:, p.rows], k[0, p.rows], v[0, p.rows], layer, p) for p in passes]
+    q, turned = _rope_of(type(attn))(q, k, cos, sin, unsqueeze_dim=2)  # heads on dim 2
+    raw, k = (k if any(p.rope for p in passes) else None), turned  # kept for a ring of places only
+    o = [_attend(attn, q[:, p.rows], (raw if p.rope else k)[0, p.rows], v[0, p.rows], layer, p)
+         for p in passes]
     return attn.o_proj(o[0] if len(o) == 1 else torch.cat(o, 1))
 
 
@@ -202,7 +207,11 @@ def _eager_pass(model, cache: Cache, start: int, rows: slice) -> _Pass:
     if n > 1 and not causal:  # causal, offset by `start`, unless the cache knows better
         mask = _mask(model, band(start, n) if band else torch.ones(n, end, dtype=torch.bool,
                                                                    device=device).tril(start))
-    return _Pass(rows=rows, cache=cache, end=end, causal=causal, mask=mask,
+    at, rope = start, None
+    if getattr(cache, "positions", "absolute") == "cache":  # StreamingLLM's: places in the cache
+        places, probe = cache.places(start, n), torch.empty(0, dtype=model.dtype, device=device)
+        at, rope = len(places) - n, model.model.rotary_emb(probe, places[None])
+    return _Pass(rows=rows, cache=cache, end=end, causal=causal, mask=mask, at=at, rope=rope,
                  write=lambda c, layer, k, v: c.write(layer, start, k, v))
 
 
@@ -219,8 +228,8 @@ def forward(model, ids, cache, start) -> torch.Tensor:
     passes = [_eager_pass(model, c, s, slice(a, b))
               for c, s, a, b in zip(caches, starts, bounds, bounds[1:])]
     device = ids[0].device
-    positions = torch.cat([torch.arange(s, s + x.shape[-1], device=device)
-                           for s, x in zip(starts, ids)])
+    positions = torch.cat([torch.arange(p.at, p.at + x.shape[-1], device=device)
+                           for p, x in zip(passes, ids)])
     packed = torch.cat([x.reshape(1, -1) for x in ids], 1) if batch else ids[0]
     logits = _run(model, packed, positions.unsqueeze(0), passes)
     for p in passes:

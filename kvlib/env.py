@@ -1,9 +1,9 @@
 """Where a result was measured, in one line that travels with it: a number without its device,
-dtype, cap, allocator settings and versions cannot be compared with anything.
-"""
+dtype, cap, allocator settings and versions cannot be compared with anything."""
 
 import os
 import platform
+from contextlib import suppress
 
 import torch
 import transformers
@@ -40,9 +40,7 @@ def allocator_settings(device: torch.device | str) -> dict:
     device = resolve(device)
     if device.type != "cuda":
         return {}
-    out: dict = {}
-    if hasattr(torch.cuda.memory, "get_allocator_backend"):
-        out["backend"] = torch.cuda.memory.get_allocator_backend()
+    out: dict = {"backend": torch.cuda.memory.get_allocator_backend()}
     if hasattr(torch._C, "_accelerator_getAllocatorSettings"):
         out["config"] = torch._C._accelerator_getAllocatorSettings()
     if hasattr(torch.cuda, "get_per_process_memory_fraction"):
@@ -58,13 +56,10 @@ def allocator_settings(device: torch.device | str) -> dict:
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:  # not Linux
-        pass
+    with suppress(OSError), open("/proc/cpuinfo") as f:  # no such file: not Linux
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
 
 
@@ -91,8 +86,7 @@ def label(device: torch.device | str, dtype: torch.dtype | None = None, cap=None
     parts = [d["name"] if "capability" in d else f"CPU ({d['cores']} cores, {d['name']})"]
     if cap is not None and "capability" in d:
         parts.append(cap.label)
-    if "expandable_segments" in d.get("allocator", {}):
-        on = d["allocator"]["expandable_segments"]
+    if (on := d.get("allocator", {}).get("expandable_segments")) is not None:
         parts.append(f"expandable segments {'on' if on else 'off'}")
     if d["dtype"]:
         parts.append(d["dtype"])

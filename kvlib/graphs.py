@@ -7,11 +7,9 @@ and reading all ``max_seq`` slots every step. Sampling stays outside (its RNG st
 and nothing reads a device value on the host: a replay would reuse the capture's answer.
 
 A graph removes launches, not kernels (microseconds each), so the step runs few per layer: fused
-matmuls over weights held once, RoPE as one matmul, ``F.rms_norm``, split-KV attention.
-"""
+matmuls over weights held once, RoPE as one matmul, ``F.rms_norm``, split-KV attention."""
 
 import functools
-import gc
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +17,9 @@ import torch.nn.functional as F
 from .attention import attend, splits
 from .decoder import _no_cudnn_attention, _parts, _rope_of
 from .env import resolve
+from .memory import free
 
-__all__ = ["StaticStep", "capture_graph", "forward_static", "fuse"]
+__all__ = ["StaticStep", "capture_graph", "fuse"]
 
 HOST_WAIT_ROPE = ("dynamic", "longrope")  # rotary updates that compare a position on the host
 QKV, QK_NORMS = ("q_proj", "k_proj", "v_proj"), ("q_norm", "k_norm")
@@ -73,9 +72,8 @@ def _rotations(model, x: torch.Tensor, pos: torch.Tensor, group: int) -> list[to
     eps = {getattr(getattr(a, n, 0), "variance_epsilon", None) for a in attns for n in QK_NORMS}
     if len(eps) > 1 or None in eps:  # no q/k norms, or not all RMS with one eps: R alone
         return [R] * len(attns)
-    D = len(R)
     w = torch.stack([n.weight for a in attns for n in [a.q_norm] * group + [a.k_norm]])
-    return list((w.view(len(attns), group + 1, D, 1) * R).unbind())
+    return list((w.view(len(attns), group + 1, -1, 1) * R).unbind())
 
 
 def _add_linear(x: torch.Tensor, h: torch.Tensor, linear) -> torch.Tensor:
@@ -86,8 +84,7 @@ def _add_linear(x: torch.Tensor, h: torch.Tensor, linear) -> torch.Tensor:
 def _layer(layer, x: torch.Tensor, i: int, R: torch.Tensor, attention, cache,
            pos: torch.Tensor, span: int) -> torch.Tensor:
     """One decoder layer for one token ``x`` ``[1, d]``."""
-    attn, mlp, Hkv = layer.self_attn, layer.mlp, cache.n_kv_heads
-    D = attn.head_dim
+    attn, mlp, Hkv, D = layer.self_attn, layer.mlp, cache.n_kv_heads, layer.self_attn.head_dim
     heads = F.linear(_norm(layer.input_layernorm, x), *attn._kvlib_fused).view(-1, D)
     qk, v = heads[:-Hkv], heads[-Hkv:]  # views: [Hq + Hkv, D], [Hkv, D]
     if R.dim() == 3:  # [group + 1, D, D]: the q/k norms' weights are in R
@@ -119,16 +116,6 @@ def _step(model, token, cache, pos: torch.Tensor, span: int, attention, P: int) 
     return model.lm_head(_norm(body.norm, x))
 
 
-@torch.no_grad()
-def forward_static(model, token: torch.Tensor, cache, pos: torch.Tensor, span: int,
-                   attention="split") -> torch.Tensor:
-    """One token at the device position ``pos`` ``[1]``, reading ``span`` slots, masked: nothing
-    reads ``pos`` on the host, so a graph replays it anywhere, and the caller sets ``seq_len``."""
-    fuse(model)
-    P = splits(span, cache.n_kv_heads, cache.device)
-    return _step(model, token, cache, pos, span, attention, P)
-
-
 class StaticStep:
     """``step(token [1, 1], pos) -> logits [1, V]``, the graph's output buffer, which the next call
     overwrites. ``capture=False`` runs it uncaptured, on any device. ``attention``: see
@@ -143,8 +130,7 @@ class StaticStep:
         self.capture = device.type == "cuda" if capture is None else capture
         if self.capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the cache is on {device}")
-        rope = _host_wait_rope(model)
-        if rope is not None:
+        if (rope := _host_wait_rope(model)) is not None:
             raise NotImplementedError(f"rope_type {rope!r} updates its frequencies from the "
                                       f"positions on the host, which a static or graph step "
                                       f"cannot do; use step='eager'")
@@ -205,8 +191,7 @@ def capture_graph(run, device: torch.device | str):
         for _ in range(2):  # a decode step rewrites its position's K/V with the same values
             run()
     torch.cuda.current_stream(device).wait_stream(stream)
-    gc.collect()
-    torch.cuda.empty_cache()
+    free(device)
     before = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):

@@ -30,24 +30,20 @@ class KVCache:
                              f"kv_heads={n_kv_heads} head_dim={head_dim}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
-        self.n_layers, self.max_seq = int(n_layers), int(max_seq)
-        self.n_kv_heads, self.head_dim = int(n_kv_heads), int(head_dim)
+        L, S, H, D = map(int, (n_layers, max_seq, n_kv_heads, head_dim))
+        self.n_layers, self.max_seq, self.n_kv_heads, self.head_dim = L, S, H, D
         self.layout, self.seq_len = layout, 0
-        L, S, H, D = self.n_layers, self.max_seq, self.n_kv_heads, self.head_dim
         stored = (L, H, S, D) if layout == "head" else (L, S, H, D)
         device = default_device() if device is None else device
         # zeros, not empty: the unwritten tail is never read, but paying for the pages up front is
-        # what makes memory flat during generation.
-        k = torch.zeros(stored, dtype=dtype, device=device)
-        v = torch.zeros(stored, dtype=dtype, device=device)
-        # The public tensors always have the logical shape [L, S, H, D].
+        # what makes memory flat during generation. The public tensors are [L, S, H, D] either way.
+        k, v = (torch.zeros(stored, dtype=dtype, device=device) for _ in "kv")
         self.k, self.v = (k.transpose(1, 2), v.transpose(1, 2)) if layout == "head" else (k, v)
-        # Per-layer views, built once: `self.k[layer]` would be a fresh view on every layer of
-        # every token. [S, H, D] for writing...
+        # Per-layer views, built once (`self.k[layer]` would be a new view every layer of every
+        # token): [S, H, D] to write, [1, H, S, D] for SDPA, so the token path only slices.
         self._k, self._v = [self.k[i] for i in range(L)], [self.v[i] for i in range(L)]
-        # ...and [1, H, S, D] for SDPA. Permute once; the token path only slices.
-        self._k_attn = [t.permute(1, 0, 2).unsqueeze(0) for t in self._k]
-        self._v_attn = [t.permute(1, 0, 2).unsqueeze(0) for t in self._v]
+        self._k_attn, self._v_attn = ([t.permute(1, 0, 2).unsqueeze(0) for t in views]
+                                      for views in (self._k, self._v))
 
     @classmethod
     def for_model(cls, config, max_seq: int, *, device=None, dtype=None, layout: str = "head"):

@@ -1,6 +1,5 @@
 """The token loop: prefill, then one token at a time, over any :class:`~kvlib.cache.Cache`, with
-host syncs kept off the hot path (EOS is looked for every ``EOS_CHECK_EVERY`` steps).
-"""
+host syncs kept off the hot path (EOS is looked for every ``EOS_CHECK_EVERY`` steps)."""
 
 from dataclasses import dataclass
 
@@ -42,10 +41,7 @@ def _pick(logits, temperature: float, top_k, top_p, generator) -> torch.Tensor:
 class _NoTimer:
     """What the loop calls when it is not timed: nothing, so the loop has one code path."""
 
-    times_s = None
-
-    def start(self) -> None: ...
-    def stop(self) -> None: ...
+    times_s, start, stop = None, lambda self: None, lambda self: None
 
 
 @dataclass
@@ -108,9 +104,14 @@ def _check_request(model, ids: torch.Tensor, cache: Cache, max_new_tokens: int, 
         raise ValueError(f"{who}KV overflow: {start} cached + {n} prompt + {max_new_tokens} new "
                          f"tokens > max_seq={cache.max_seq}")
     trained = getattr(model.config, "max_position_embeddings", None)
-    if trained and end - 1 > trained and not extrapolate:  # the last new token is never fed back
+    last = end - 2  # the last new token is never fed back
+    if getattr(cache, "positions", "absolute") == "cache":  # RoPE sees places in the ring only
+        held, step = cache.sinks + cache.window, prefill_chunk or n  # a chunk reads its copy
+        last = min(last, max(held - 1, *(min(start + c, held) + min(step, n - c) - 1
+                                          for c in range(0, n, step))))
+    if trained and last >= trained and not extrapolate:
         raise ValueError(f"{who}{start} cached + {n} prompt + {max_new_tokens} new tokens reach "
-                         f"position {end - 2}, past max_position_embeddings={trained}, the longest "
+                         f"position {last}, past max_position_embeddings={trained}, the longest "
                          f"this model was trained for; pass extrapolate=True to see what it does "
                          f"there")
 

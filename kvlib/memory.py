@@ -2,22 +2,18 @@
 
 ``allocated`` is what live tensors hold; ``reserved`` what the caching allocator took from the
 driver, the number that runs out; ``peak_*`` the high-water mark. A CPU has no allocator to ask:
-there the honest number is the resident set size. Nothing here touches ``torch.cuda`` off CUDA.
-"""
+there the honest number is the resident set size. Nothing here touches ``torch.cuda`` off CUDA."""
 
 import gc
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from .config import GIB
-from .env import default_device, resolve
+from .env import resolve
 
-__all__ = ["Cap", "MemoryTrace", "allocator_budget", "cap_memory", "free", "largest",
-           "memory_snapshot", "memory_stats"]
+__all__ = ["Cap", "allocator_budget", "cap_memory", "free", "largest", "memory_stats"]
 
 
 def _rss() -> int:
@@ -41,27 +37,6 @@ def memory_stats(device: torch.device | str) -> dict[str, int]:
             "peak_allocated": torch.cuda.max_memory_allocated(device),
             "peak_reserved": torch.cuda.max_memory_reserved(device),
             "device_used": total - unused, "outside_allocator": total - unused - reserved}
-
-
-class MemoryTrace:
-    """One :func:`memory_stats` row per ``record(tokens)``: memory against length."""
-
-    def __init__(self, device: torch.device | str) -> None:
-        self.device = resolve(device)
-        self.rows: list[dict[str, int]] = []
-
-    def record(self, tokens: int) -> dict[str, int]:
-        row = {"tokens": int(tokens), **memory_stats(self.device)}
-        self.rows.append(row)
-        return row
-
-    def column(self, key: str) -> list[int]:
-        return [row[key] for row in self.rows]
-
-    def reset_peak(self) -> None:
-        """Restart ``peak_*`` from the current usage (CUDA; no-op elsewhere)."""
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
 
 
 def free(device: torch.device | str) -> None:
@@ -92,10 +67,8 @@ class Cap:
     fraction: float | None  # passed to set_per_process_memory_fraction, if active
     active: bool
     note: str
-
-    @property
-    def budget_bytes(self) -> int | None:  # the cap, else the whole card, else None (CPU)
-        return int(self.gib * GIB) if self.active else self.total_bytes
+    # the cap, else the whole card, else None (CPU)
+    budget_bytes = property(lambda self: int(self.gib * GIB) if self.active else self.total_bytes)
 
     @property
     def label(self) -> str:
@@ -131,21 +104,3 @@ def allocator_budget(device: torch.device | str, cap: Cap | None = None) -> int 
         return None
     usable = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
     return min(usable, cap.budget_bytes) if cap is not None and cap.active else usable
-
-
-@contextmanager
-def memory_snapshot(path: str | os.PathLike, max_entries: int = 100_000, *,
-                    device: torch.device | str | None = None) -> Iterator[bool]:
-    """Record the allocator's events in the block into ``path`` for https://pytorch.org/memory_viz,
-    even when it raises (an OOM is the best moment). Off CUDA: nothing, and it yields False."""
-    if resolve(device or default_device()).type != "cuda":
-        yield False
-        return
-    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
-    try:
-        yield True
-    finally:
-        try:
-            torch.cuda.memory._dump_snapshot(str(path))
-        finally:
-            torch.cuda.memory._record_memory_history(enabled=None)

@@ -2,12 +2,11 @@
 same numbers on CPU, CUDA and ``meta``, so a CPU test can hold them fixed. An output counts when its
 storage is no input's (a view or an in-place write counts 0); storages are told apart by their
 ``StorageImpl``, as ``data_ptr`` is 0 on ``meta``. Not seen: kernels' scratch, allocator rounding.
-Kernels are counted there too (:func:`count_kernels`).
-"""
+Kernels are counted there too (:func:`count_kernels`)."""
 
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
@@ -30,16 +29,12 @@ ONE_KERNEL = {F.scaled_dot_product_attention: "sdpa", F.rms_norm: "rms_norm"}  #
 NO_KERNEL = {getattr(torch.ops.aten, op).default for op in (  # memory or metadata only
     "empty_strided", "_unsafe_view", "detach", "lift_fresh")} | {torch.ops.aten.empty.memory_format}
 
-OTHER = "other"  # region name for bytes allocated outside any ``region()``
-
 
 def _storages(tree) -> Iterator[torch.UntypedStorage]:
     for t in tree_leaves(tree):
         if isinstance(t, torch.Tensor):
-            try:
+            with suppress(RuntimeError, NotImplementedError):  # sparse, nested, functional wrappers
                 yield t.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # sparse, nested, functional wrappers
-                pass
 
 
 def new_storages(args, kwargs, out) -> dict[int, torch.UntypedStorage]:
@@ -55,11 +50,8 @@ class AllocMeter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.total = self.count = 0
-        self.by_op: dict[str, int] = {}
-        self.by_region: dict[str, int] = {}
-        self.steps: list[int] = []
-        self.step_regions: list[dict[str, int]] = []
-        self._region, self._step = OTHER, {}
+        self.by_op, self.by_region, self.steps, self.step_regions = {}, {}, [], []
+        self._region, self._step = "other", {}  # "other": outside any ``region()``
 
     def __enter__(self) -> "AllocMeter":
         self._step = {}
@@ -69,11 +61,9 @@ class AllocMeter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         op, region = str(func), self._region
         for s in new_storages(args, kwargs, out).values():  # two outputs on one count once
-            self.total += s.nbytes()
-            self.count += 1
-            self.by_op[op] = self.by_op.get(op, 0) + s.nbytes()
-            self.by_region[region] = self.by_region.get(region, 0) + s.nbytes()
-            self._step[region] = self._step.get(region, 0) + s.nbytes()
+            self.total, self.count = self.total + s.nbytes(), self.count + 1
+            for tally, key in ((self.by_op, op), (self.by_region, region), (self._step, region)):
+                tally[key] = tally.get(key, 0) + s.nbytes()
         return out
 
     @contextmanager
@@ -102,8 +92,7 @@ class MeteredCache:
     model's activations; every other attribute, read or written, is the wrapped cache's."""
 
     def __init__(self, cache: Cache, meter: AllocMeter) -> None:
-        object.__setattr__(self, "cache", cache)
-        object.__setattr__(self, "meter", meter)
+        vars(self).update(cache=cache, meter=meter)  # not through __setattr__: not the cache's
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         with self.meter.region("cache"):
@@ -188,7 +177,7 @@ def decode_kernels(model, step: str = "static", *, context: int = 4096,
                    attention="split") -> Counter:
     """:func:`count_kernels` of a decode step at slot ``context`` (``"eager"``, or ``"static"``
     over a bucket short of the cache's end) of a model, or of a config or its name on ``meta``."""
-    model = model if isinstance(model, torch.nn.Module) else meta_model(model)
+    model = meta_model(model)
     cache = KVCache.for_model(model.config, context + 257, device=model.device, dtype=model.dtype)
     cache.seq_len, token = context, torch.zeros(1, 1, dtype=torch.long, device=model.device)
     if step == "eager":

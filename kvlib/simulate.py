@@ -1,8 +1,7 @@
 """A simulated card: the token loop on the ``meta`` device, where nothing is allocated, under a
 ledger of live bytes: ``memory_allocated`` without the allocator's rounding or caching. The op that
 would pass the budget raises an OOM. On ``meta`` SDPA always takes the math path, so
-:class:`kvlib.cards.Kernels` routes each call as torch's CUDA dispatcher would.
-"""
+:class:`kvlib.cards.Kernels` routes each call as torch's CUDA dispatcher would."""
 
 import weakref
 from contextlib import contextmanager
@@ -28,11 +27,6 @@ COMPOSITE = torch._C.DispatchKey.CompositeExplicitAutograd
 TAIL_STEPS = 2  # decode steps a tail run keeps: the last ones, which hold the most
 
 
-def _meta(model):
-    """A model on ``meta`` as given, or built from a config or a shipped config's name."""
-    return model if isinstance(model, torch.nn.Module) else meta_model(model)
-
-
 def _weights(model) -> int:
     """Bytes of the parameters and buffers, each storage once (a tied embedding is one tensor)."""
     return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
@@ -54,8 +48,7 @@ class Ledger(TorchDispatchMode):
     def __init__(self, budget: int | None = None, start: int = 0) -> None:
         super().__init__()
         self.budget, self.live, self.peak, self.step_peak = budget, start, start, start
-        self.by_region = {"weights": start}
-        self.at_peak = dict(self.by_region)
+        self.by_region, self.at_peak = {"weights": start}, {"weights": start}
         self.tokens, self.timeline = 0, {"tokens": [], "live": [], "peak": []}
         self._regions, self._counting = ["other"], True
         self._live: dict[int, list] = {}  # storage address -> [bytes, region]
@@ -147,9 +140,7 @@ class Run:
     kernels: dict[str, int]
     oom: torch.OutOfMemoryError | None = None
 
-    @property
-    def fits(self) -> bool:
-        return self.oom is None
+    fits = property(lambda self: self.oom is None)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.at_peak.items() if v >= MIB)
@@ -166,14 +157,13 @@ def simulate(model, context: int, *, cache: str = "prealloc", card: Card | str =
     (``model``: a config, its name, or a model on ``meta``), for ``batch`` requests packed as the
     loop packs them. ``card`` gives the budget and the sm that picks the attention kernels.
     ``tail`` runs only the last two chunks and decode steps, from the state before them: the same
-    peak, since earlier steps hold less, in a fraction of the time.
-    """
+    peak, since earlier steps hold less, in a fraction of the time."""
     if attention not in ("auto", "fused", "math") or cache not in ("prealloc", "cat"):
         raise ValueError(f"attention must be auto/fused/math and cache prealloc/cat, "
                          f"not {attention!r}, {cache!r}")
     if not 0 < decode < context:
         raise ValueError(f"need 0 < decode < context, got decode={decode} context={context}")
-    model = _meta(model)
+    model = meta_model(model)
     check_supported(model)
     target, config, dtype, meta = get_card(card), model.config, model.dtype, torch.device("meta")
     ledger = Ledger(target.memory if budget is None else budget, _weights(model))
@@ -231,7 +221,7 @@ def fits_context(model, context: int, *, prefill_chunk: int = 512, decode: int =
     """Whether every prompt up to ``context`` tokens, and its decode steps to ``context``, fit: two
     tail runs, the longest prompt and the longest whose last chunk is ``prefill_chunk - 1`` tokens
     (a peak depends on the last chunk's size too: an unaligned mask the kernel must copy)."""
-    model = _meta(model)
+    model = meta_model(model)
     kw.update(prefill_chunk=prefill_chunk, tail=True)
     prompt = context - decode
     partial = prompt - (prompt + 1) % prefill_chunk
@@ -243,7 +233,7 @@ def fits_context(model, context: int, *, prefill_chunk: int = 512, decode: int =
 def longest_context(model, *, lo: int | None = None, hi: int | None = None, **kw) -> int:
     """The longest context that :func:`fits_context`, by bisection between ``lo`` (fits) and ``hi``
     (does not; by default, one token more than the cache alone leaves room for)."""
-    model = _meta(model)
+    model = meta_model(model)
     lo = kw.get("decode", 4) + 1 if lo is None else lo
     if hi is None:
         budget = kw.get("budget") or get_card(kw.get("card", "12 GiB")).memory

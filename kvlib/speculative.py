@@ -6,8 +6,7 @@ worth checking can be guessed for free. Prompt lookup guesses them from the text
 last few tokens earlier in the prompt or the output, and propose what followed them there
 (transformers' ``prompt_lookup_num_tokens``). One forward scores every guess; greedy keeps the
 guesses the model agrees with, plus the model's own next token, so the tokens are plain greedy's.
-The cache then holds the K/V of rejected guesses: ``crop`` rolls it back.
-"""
+The cache then holds the K/V of rejected guesses: ``crop`` rolls it back."""
 
 import torch
 
@@ -54,8 +53,7 @@ def lookup(model, ids: torch.Tensor, cache, max_new_tokens: int, k: int, eos: li
         pos = cache.seq_len  # the last token's slot: the cache holds everything before it
         left = max_new_tokens - len(tokens) - 1  # the forward adds one token of its own
         guess = propose(history + tokens, _room(cache, pos, min(k, left)))
-        # One forward, the weights read once for all 1 + g rows; each row attends as a decode step
-        # at its own slot, after the rows before it wrote theirs: row i's logits pick token pos+i+1.
+        # row i attends at slot pos+i after rows 0..i-1 wrote theirs; its logits pick token pos+i+1
         feed = [tokens[-1], *guess]
         rows = forward(model, [ids.new_tensor([[t]]) for t in feed], [cache] * len(feed),
                        [pos + i for i in range(len(feed))])

@@ -1,7 +1,6 @@
 """One way to time things, on every device: ``perf_counter`` around a CUDA call times the enqueue,
 so on CUDA events go around each call and are read after one synchronize. Warm-up calls run
-uncounted; results are medians with a p10..p90 spread.
-"""
+uncounted; results are medians with a p10..p90 spread."""
 
 import statistics
 import time
@@ -17,8 +16,7 @@ __all__ = ["StepTimer", "Timing", "time_fn"]
 
 def _device(device: torch.device | str) -> torch.device:
     device = resolve(device)
-    if device.type not in ("cpu", "cuda"):
-        # perf_counter on an asynchronous device would time the enqueue, not the work
+    if device.type not in ("cpu", "cuda"):  # elsewhere perf_counter might time the enqueue
         raise ValueError(f"can only time cpu or cuda, not {device.type!r}")
     return device
 
@@ -73,9 +71,7 @@ class StepTimer:
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = _device(device)
-        self._start = None
-        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._times: list[float] = []
+        self._start, self._pending, self._times = None, [], []  # CUDA: (start, end) events unread
 
     def _now(self):
         if self.device.type == "cuda":

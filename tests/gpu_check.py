@@ -40,19 +40,14 @@ sys.path.insert(0, str(ROOT))  # this checkout's kvlib, wherever the script is r
 
 import kvlib  # noqa: E402
 from course import bench, plots  # noqa: E402
+from course.memory_trace import MemoryTrace, memory_snapshot  # noqa: E402
 from kvlib.bandwidth import decode_bytes, mbu, measure_bandwidth  # noqa: E402
 from kvlib.budget import plan_budget  # noqa: E402
 from kvlib.config import GIB, MIB, kv_bytes_per_token, load_config  # noqa: E402
 from kvlib.env import describe, label  # noqa: E402
 from kvlib.graphs import StaticStep  # noqa: E402
 from kvlib.kv_cache import KVCache  # noqa: E402
-from kvlib.memory import (  # noqa: E402
-    MemoryTrace,
-    allocator_budget,
-    cap_memory,
-    free,
-    memory_snapshot,
-)
+from kvlib.memory import allocator_budget, cap_memory, free  # noqa: E402
 from kvlib.timing import StepTimer  # noqa: E402
 
 MODEL, BUDGET_GIB, CONTEXT, NEW, CHUNK = "random:qwen3-4b", 12, 8192, 32, 512

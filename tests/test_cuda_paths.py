@@ -33,7 +33,7 @@ from transformers.models.llama import modeling_llama  # noqa: F401
 from transformers.models.qwen3 import modeling_qwen3  # noqa: F401
 
 import kvlib
-from course import bench
+from course import bench, memory_trace
 from kvlib import env, graphs, loop, memory, timing
 from kvlib.kv_cache import KVCache
 
@@ -307,7 +307,7 @@ def test_auto_dtype_by_capability(driver, capability, dtype):
 # --- memory: stats, timeline, budget, snapshot ------------------------------------------------
 def test_memory_stats_and_trace(driver):
     driver.allocated, driver.cached = 3 * GIB, GIB
-    trace = memory.MemoryTrace("cuda")
+    trace = memory_trace.MemoryTrace("cuda")
     assert trace.device == CUDA1
     row = trace.record(10)
     assert row == {"tokens": 10, "allocated": 3 * GIB, "reserved": 4 * GIB,
@@ -336,7 +336,7 @@ def test_allocator_budget_is_free_plus_ours_within_the_cap(driver):
 def test_snapshot_records_then_dumps_even_on_error(driver, tmp_path, raises):
     path = tmp_path / "snap.pickle"
     with pytest.raises(torch.OutOfMemoryError) if raises else contextlib.nullcontext():
-        with memory.memory_snapshot(path, max_entries=123) as recording:
+        with memory_trace.memory_snapshot(path, max_entries=123) as recording:
             assert recording is True and driver.history == ["all"]
             if raises:
                 raise torch.OutOfMemoryError("CUDA out of memory")

@@ -7,16 +7,9 @@ import pytest
 import torch
 import transformers
 
+from course.memory_trace import MemoryTrace, memory_snapshot
 from kvlib.env import allocator_settings, auto_dtype, default_device, describe, label, resolve
-from kvlib.memory import (
-    GIB,
-    MemoryTrace,
-    allocator_budget,
-    cap_memory,
-    free,
-    memory_snapshot,
-    memory_stats,
-)
+from kvlib.memory import GIB, allocator_budget, cap_memory, free, memory_stats
 from kvlib.timing import StepTimer, Timing, time_fn
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -7,10 +7,10 @@ import re
 
 import pytest
 import torch
-from helpers import SHARED, TINY, assert_same_greedy
+from helpers import SHARED, TINY, assert_same_greedy, tiny_model
 from transformers import AutoModelForCausalLM
 
-from kvlib import AllocMeter, MeteredCache, generate
+from kvlib import AllocMeter, MeteredCache, forward, generate
 from kvlib.ring_cache import RingCache
 
 W = 8  # the window: shorter than the 12-token prompt, so even the prefill needs it
@@ -174,3 +174,67 @@ def test_bad_shapes_and_a_model_without_a_window():
         RingCache(2, 0, 2, 16)
     with pytest.raises(ValueError, match="'qwen2' has no sliding_window: pass window="):
         RingCache.for_model(model_of("qwen2", windowed=False).config)
+
+
+@pytest.mark.parametrize("positions", ["absolute", "cache"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "helium", "glm"])
+def test_positions_against_transformers_over_the_held_tokens(family, positions):
+    """In a one-layer model a key depends on its token and position alone, so a decode step over a
+    ring equals transformers' forward over the tokens the ring holds (sinks, then the window): at
+    their positions in the text, or numbered 0.. by their places in the cache (StreamingLLM)."""
+    model, window, sinks, ids = tiny_model(family, num_hidden_layers=1), 6, 2, prompt(24)
+    cache = RingCache.for_model(model.config, window, sinks=sinks, positions=positions,
+                                device="cpu", dtype=torch.float32)
+    for p in range(ids.shape[1]):
+        ours = forward(model, ids[:, p:p + 1], cache, p)
+        held = [*range(min(sinks, p + 1)), *range(max(sinks, p + 1 - window), p + 1)]
+        at = torch.tensor([held]) if positions == "absolute" else None  # None: 0, 1, ...
+        with torch.no_grad():
+            theirs = model(ids[:, held], position_ids=at).logits[:, -1]
+        torch.testing.assert_close(ours, theirs, **FOLDED)
+
+
+@pytest.mark.parametrize("chunk", [None, 5, 1], ids=["one-prefill", "chunks-of-5",
+                                                     "token-by-token"])
+def test_cache_positions_move_only_the_sinks(chunk):
+    """RoPE is relative: without sinks, places in the cache give what positions in the text give;
+    with sinks, the answer changes once the first token leaves the window, and not before."""
+    model = model_of("llama", windowed=False)
+    runs = {(at, sinks): generate(model, prompt(), N_NEW, eos_token_id=None, return_logits=True,
+                                  prefill_chunk=chunk, cache=RingCache.for_model(
+                                      model.config, W, sinks=sinks, positions=at, device="cpu",
+                                      dtype=torch.float32))
+            for at in ("absolute", "cache") for sinks in (0, 2)}
+    plain, moved = runs["absolute", 0], runs["cache", 0]
+    assert_same_greedy(moved.tokens, moved.logits, plain.tokens, plain.logits, **FOLDED)
+    a, c = runs["absolute", 2], runs["cache", 2]  # 12 prompt tokens: past W + 2 slots already
+    assert c.tokens != a.tokens or any(not torch.allclose(x, y, **FOLDED)
+                                       for x, y in zip(a.logits, c.logits))
+
+
+def test_a_stream_at_cache_positions_passes_the_models_positions():
+    """Positions past ``max_position_embeddings`` are refused; places in a ring never get there,
+    and the ring's memory, and what a decode step allocates, stay flat all the way."""
+    model = tiny_model("llama", max_position_embeddings=32)
+    with pytest.raises(ValueError, match=re.escape(
+            "0 cached + 12 prompt + 60 new tokens reach position 70, past "
+            "max_position_embeddings=32")):
+        generate(model, prompt(), 60, cache=ring(model, sinks=2), eos_token_id=None)
+    cache = RingCache.for_model(model.config, W, sinks=2, positions="cache", device="cpu",
+                                dtype=torch.float32)
+    nbytes, meter = cache.nbytes, AllocMeter()
+    with meter:
+        g = generate(model, prompt(), 60, cache=cache, eos_token_id=None,
+                     on_step=lambda step, n: meter.mark())
+    assert len(g.tokens) == 60 and cache.seq_len == 71 and cache.nbytes == nbytes
+    assert len(set(meter.steps[1:])) == 1, meter.steps  # every decode step the same bytes
+
+
+def test_cache_positions_refuse_a_window_past_the_models_positions():
+    model = tiny_model("llama", max_position_embeddings=32)
+    cache = RingCache.for_model(model.config, 40, positions="cache", device="cpu",
+                                dtype=torch.float32)
+    with pytest.raises(ValueError, match="reach position 39, past max_position_embeddings=32"):
+        generate(model, prompt(), 60, cache=cache, eos_token_id=None)
+    with pytest.raises(ValueError, match="positions must be 'absolute' or 'cache', not 'text'"):
+        RingCache(2, 4, 2, 16, positions="text")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import TINY
 
-from kvlib.bandwidth import decode_bytes, step_bytes, twin_config
+from kvlib.bandwidth import decode_bytes, step_bytes
 from kvlib.budget import meta_model, plan_budget
 from kvlib.cards import CARDS, card, fused_sdpa, sdpa_kernel
 from kvlib.config import GIB, kv_bytes_per_token, load_config
@@ -254,11 +254,3 @@ def test_predicted_ms_per_token_is_the_floor_and_cat_moves_its_cache_twice_more(
         1e3 * (decode_bytes(config, BF16, 8192) + 2 * kv) / 3.35e12)
 
 
-def test_the_twin_has_qwen3_4b_kv_to_weights_ratio_at_a_cpu_context():
-    twin, qwen = twin_config(context=4096), load_config("qwen3-4b")
-    want = step_bytes(qwen, BF16, 32768, "cat") / step_bytes(qwen, BF16, 32768)
-    got = step_bytes(twin, torch.float32, 4096, "cat") / step_bytes(twin, torch.float32, 4096)
-    assert got == pytest.approx(want, rel=1e-3) and twin.num_hidden_layers == 30
-    assert 1 <= twin.intermediate_size < load_config("smollm2-135m").intermediate_size
-    with pytest.raises(ValueError, match="512 tokens"):
-        twin_config(context=512)

@@ -167,3 +167,7 @@ def check_trace_waste(fn) -> None:
                f"{got[1]:,} B masked; StaticStep captures {want[0]} graphs on this trace and "
                f"reads {want[1]:,} B of masked K and V. Hint: count only the spans the trace "
                f"reaches; a step with t held needs t + 1 slots, the rest of its span is masked.")
+    pairs = {b: _true_trace(load_config("qwen3-4b"), torch.bfloat16, 30976, b, 1000, 500)
+             for b in (64, 1024)}
+    return "your prediction, on a 1,000-token prompt and 500 tokens out: " + "; ".join(
+        f"buckets of {b:,}: {g} graphs, {m / MIB:,.0f} MiB masked" for b, (g, m) in pairs.items())

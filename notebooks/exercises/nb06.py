@@ -236,7 +236,8 @@ def check_card_needed(fn) -> str:
     both = [n for n, c in cards.items() if c.memory >= memory and c.bandwidth >= need]
     roomy = [n for n, c in cards.items() if c.memory >= memory and c.bandwidth < need]
     return (f"{name}'s whole window at {ms:g} ms/token ({cache}) needs {memory / GIB:.2f} GiB and "
-            f"{need / 1e9:.0f} GB/s. Cards of the table and the three above that meet both: "
+            f"{need / 1e9:.0f} GB/s. Of the table's cards and "
+            f"{len(NEW_CARDS)} more ({', '.join(NEW_CARDS)}), those that meet both: "
             f"{', '.join(both) or 'none'}; with the memory but too slow: "
             f"{', '.join(roomy) or 'none'} (a PREDICTION from the sheets' numbers, and a floor: "
             f"the H200 reference ran its steps far above it).")

@@ -1,0 +1,202 @@
+"""The deep dive "fewer bytes by design": the KV formats priced from their configs on one chart, a
+long stream of text over full, windowed and sink caches scored stretch by stretch, and the latent
+cache's bytes against the same model's K and V.
+
+The notebook keeps what it teaches: the formulas, the ring's positions, the latent cache's parity.
+"""
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from IPython.display import Image
+from matplotlib.figure import Figure
+
+import kvlib
+from kvlib import KVCache, RingCache
+from kvlib.budget import meta_model
+from kvlib.config import GIB, kv_bytes, kv_bytes_per_token, load_config
+from kvlib.quant_cache import kv_format_bytes
+
+from . import plots
+from .nb08 import chunk_logits
+
+__all__ = ["formats", "formats_figure", "long_text", "stream", "stream_figure", "stream_reference"]
+
+BF16, KIB = torch.bfloat16, 1024
+DESIGNS = {  # shipped config -> how its layers store K and V
+    "llama-2-7b": "MHA", "llama-3-8b": "GQA", "qwen3-4b": "GQA",
+    "gemma-3-4b": "GQA, 5 of 34 layers global", "deepseek-v2-lite": "MLA",
+}
+THREADS = {"by design": "tab:blue", "by quantizing": "tab:orange", "by forgetting": "tab:green"}
+
+
+def _longest(config, budget: int, weights: int, held=None) -> int | None:
+    """The most tokens whose KV fits beside the weights (no workspace), by bisection: a windowed
+    layer's KV is not a straight line. None if the weights alone do not fit; -1 if the KV stops
+    growing (a ring) before the memory runs out."""
+    if weights >= budget:
+        return None
+    kv = held or (lambda c: kv_bytes(config, BF16, c))
+    if kv(10**9) <= budget - weights:
+        return -1
+    lo, hi = 0, 10**9
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if kv(mid) <= budget - weights else (lo, mid - 1)
+    return lo
+
+
+def formats(context: int = 32_768, budget: int = 12 * GIB, window: int = 1_020,
+            sinks: int = 4) -> list[dict]:
+    """One row per way of storing a token's KV, in bf16 unless quantized: its bytes per token of a
+    ``context``-token sequence (past every window), and the longest context whose KV fits
+    ``budget`` beside the model's bf16 weights (the workspace left out)."""
+    rows = []
+    for name, design in DESIGNS.items():
+        config = load_config(name)
+        weights = sum(p.numel() for p in meta_model(config).parameters()) * BF16.itemsize
+        rows.append(dict(name=name, how=design, thread="by design", weights=weights,
+                         per_token=kv_bytes(config, BF16, context) / context,
+                         longest=_longest(config, budget, weights)))
+    qwen, base = load_config("qwen3-4b"), rows[2]
+    for kv in ("int8", "int4"):
+        per = kv_format_bytes(qwen, kv)
+        rows.append(dict(name="qwen3-4b", how=f"{kv} codes + scales", thread="by quantizing",
+                         weights=base["weights"], per_token=per,
+                         longest=_longest(qwen, budget, base["weights"], lambda c, p=per: p * c)))
+    ring = (window + sinks) * kv_bytes_per_token(qwen, BF16)  # held whatever the length
+    rows.append(dict(name="qwen3-4b", how=f"ring {window} + {sinks} sinks", thread="by forgetting",
+                     weights=base["weights"], per_token=ring / context,
+                     longest=_longest(qwen, budget, base["weights"], lambda c: ring)))
+    return rows
+
+
+def formats_figure(rows: list[dict], context: int, label: str) -> Figure:
+    """KV bytes per token of a ``context``-token sequence, each way of saving them on one chart."""
+    fig = Figure(figsize=(7.5, 3.8), layout="constrained")
+    fig.suptitle(f"KV bytes per token of a {context:,}-token sequence, by how they are saved",
+                 fontweight="bold")
+    ax = fig.add_subplot()
+    ax.set_title(label, fontsize=8, color="0.35")
+    names = [f"{r['name']}: {r['how']}" for r in rows]
+    ax.barh(range(len(rows)), [r["per_token"] / KIB for r in rows],
+            color=[THREADS[r["thread"]] for r in rows])
+    for i, r in enumerate(rows):
+        ax.text(r["per_token"] / KIB, i, f"  {r['per_token'] / KIB:,.1f}", va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.15 * max(r["per_token"] for r in rows) / KIB)
+    ax.set_xlabel("KiB per token")
+    ax.grid(alpha=0.3, axis="x")
+    for thread, color in THREADS.items():
+        ax.barh([0], [0], color=color, label=thread)
+    ax.legend(fontsize=8, loc="lower right")
+    plots.save(fig, "deep_bytes_formats", label=label, data={
+        "context": context, "rows": [{k: r[k] for k in ("name", "how", "thread", "per_token")}
+                                     for r in rows]})
+    return fig
+
+
+@torch.no_grad()
+def _nll(model, cache, ids, chunk: int) -> torch.Tensor:
+    """``[N - 1]``: each next token's negative log-likelihood over ``cache``, chunk by chunk (a
+    stream's logits at every position would not fit in memory)."""
+    out = []
+    for start, logits in zip(range(0, ids.shape[1], chunk), chunk_logits(model, cache, ids, chunk)):
+        targets = ids[0, start + 1:start + 1 + len(logits)]
+        out.append(F.cross_entropy(logits[:len(targets)], targets, reduction="none"))
+    return torch.cat(out)
+
+
+def stream(model, ids, window: int = 1_020, sinks: int = 4, chunk: int = 64) -> dict:
+    """``ids [1, N]`` through four caches: the full cache up to the model's positions, a window of
+    ``window + sinks`` slots alone, and ``window`` + ``sinks`` at positions in the text and at
+    places in the cache. ``{name: per-token NLL}``."""
+    cfg, dtype, device = model.config, model.dtype, model.device
+    trained = cfg.max_position_embeddings
+    ring = dict(device=device, dtype=dtype)
+    caches = {
+        "full cache": (KVCache.for_model(cfg, trained, device=device, dtype=dtype), trained),
+        f"window {window + sinks}": (RingCache.for_model(cfg, window + sinks, **ring), None),
+        f"{sinks} sinks + {window}, positions in the text": (RingCache.for_model(
+            cfg, window, sinks=sinks, **ring), None),
+        f"{sinks} sinks + {window}, places in the cache": (RingCache.for_model(
+            cfg, window, sinks=sinks, positions="cache", **ring), None),
+    }
+    return {name: _nll(model, cache, ids[:, :n], chunk) for name, (cache, n) in caches.items()}
+
+
+def long_text(tok, n: int) -> torch.Tensor:
+    """``[1, n]``: the first ``n`` tokens of every section of Python's own help text, in order."""
+    from pydoc_data.topics import topics
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    return tok(text, return_tensors="pt")["input_ids"][:, :n]
+
+
+def stream_figure(runs: dict, label: str, trained: int, window: int, bucket: int = 512,
+                  directory=None) -> Figure:
+    """Perplexity by stretch of ``bucket`` tokens along the stream, each cache a line; saved with
+    each cache's perplexity from the full window to the model's last position, and past it."""
+    series = {name: [nll[s:s + bucket].mean().exp().item()
+                     for s in range(0, len(nll) - bucket + 1, bucket)]
+              for name, nll in runs.items()}
+    spans = {name: [nll[a:b].mean().exp().item() if len(nll) > a else None
+                    for a, b in ((window, trained), (trained, len(nll)))]
+             for name, nll in runs.items()}
+    return draw_stream(dict(bucket=bucket, trained=trained, window=window, perplexity=series,
+                            spans=spans, tokens=max(map(len, runs.values())) + 1), label, directory)
+
+
+def draw_stream(data: dict, label: str, directory=None) -> Figure:
+    """The stream figure from its saved numbers (:func:`stream_figure`'s JSON)."""
+    bucket, trained = data["bucket"], data["trained"]
+    fig, ax = plots._figure(f"A stream past the model's {trained:,} positions: perplexity every "
+                            f"{bucket} tokens", label, "position in the stream", "perplexity",
+                            size=(7.5, 4.6))
+    for name, series in data["perplexity"].items():
+        ax.plot([bucket * i + bucket // 2 for i in range(len(series))], series, marker="o", ms=3,
+                label=name, **(dict(color="k", ls="--", lw=2) if name == "full cache" else {}))
+    ax.axvline(trained, color="0.5", lw=1, ls=":", label=f"the model's positions end ({trained:,})")
+    ax.axvline(data["window"], color="0.7", lw=1, ls="--", label="the window is full")
+    ax.set_ylim(0, 1.1 * max(max(v) for v in data["perplexity"].values()))
+    ax.legend(fontsize=8, ncols=2, loc="upper center", bbox_to_anchor=(0.5, -0.15))
+    plots.save(fig, "deep_bytes_stream", data=data, label=label, directory=directory)
+    return fig
+
+
+def stream_reference(directory=plots.FIGURES) -> Image:
+    """The committed long stream (``python -m course.deep_bytes --out figures``): its label, one
+    line per cache (perplexity from the full window to the model's last position, and past it),
+    and its figure."""
+    data, label = plots.load("deep_bytes_stream", directory)
+    print(f"reference run: {label}")
+    for name, (within, past) in data["spans"].items():
+        print(f"{name:>44}: {within:6.2f} from {data['window']:,} to {data['trained']:,}"
+              + ("" if past is None else f", {past:9.2f} past {data['trained']:,}"))
+    return Image(filename=str(Path(directory) / "deep_bytes_stream.png"))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m course.deep_bytes",
+                                description="Run the long stream once; save it as a figure.")
+    p.add_argument("--tokens", type=int, default=12_288)
+    p.add_argument("--window", type=int, default=1_020)
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--out", default=None, help="folder (default: figures/runs/)")
+    a = p.parse_args(argv)
+    model, tok = kvlib.load_model("smollm2-135m", device="cpu", dtype=torch.float32)
+    ids, start = long_text(tok, a.tokens), time.time()
+    runs = stream(model, ids, a.window, a.sinks, a.chunk)
+    label = (f"{kvlib.label('cpu', torch.float32)} · smollm2-135m · Python's help text, "
+             f"{ids.shape[1]:,} tokens in chunks of {a.chunk}")
+    stream_figure(runs, label, model.config.max_position_embeddings, a.window + a.sinks,
+                  directory=a.out)
+    print(f"{label}: {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
