@@ -52,24 +52,25 @@ def _longest(config, budget: int, weights: int, held=None) -> int | None:
 def formats(context: int = 32_768, budget: int = 12 * GIB, window: int = 1_020,
             sinks: int = 4) -> list[dict]:
     """One row per way of storing a token's KV, in bf16 unless quantized: its bytes per token of a
-    ``context``-token sequence (past every window), and the longest context whose KV fits
-    ``budget`` beside the model's bf16 weights (the workspace left out)."""
+    ``context``-token sequence (the whole cache over ``context``), the longest context whose KV fits
+    ``budget`` beside the model's bf16 weights (the workspace left out), and the model's positions
+    (None for a ring numbered by places in the cache, which never runs out of them)."""
     rows = []
     for name, design in DESIGNS.items():
         config = load_config(name)
         weights = sum(p.numel() for p in meta_model(config).parameters()) * BF16.itemsize
         rows.append(dict(name=name, how=design, thread="by design", weights=weights,
                          per_token=kv_bytes(config, BF16, context) / context,
-                         longest=_longest(config, budget, weights)))
+                         longest=_longest(config, budget, weights),
+                         positions=config.max_position_embeddings))
     qwen, base = load_config("qwen3-4b"), rows[2]
     for kv in ("int8", "int4"):
         per = kv_format_bytes(qwen, kv)
-        rows.append(dict(name="qwen3-4b", how=f"{kv} codes + scales", thread="by quantizing",
-                         weights=base["weights"], per_token=per,
+        rows.append(dict(base, how=f"{kv} codes + scales", thread="by quantizing", per_token=per,
                          longest=_longest(qwen, budget, base["weights"], lambda c, p=per: p * c)))
     ring = (window + sinks) * kv_bytes_per_token(qwen, BF16)  # held whatever the length
-    rows.append(dict(name="qwen3-4b", how=f"ring {window} + {sinks} sinks", thread="by forgetting",
-                     weights=base["weights"], per_token=ring / context,
+    rows.append(dict(base, how=f"ring {window} + {sinks} sinks", thread="by forgetting",
+                     per_token=ring / context, positions=None,  # places in the cache: no end
                      longest=_longest(qwen, budget, base["weights"], lambda c: ring)))
     return rows
 
@@ -77,7 +78,7 @@ def formats(context: int = 32_768, budget: int = 12 * GIB, window: int = 1_020,
 def formats_figure(rows: list[dict], context: int, label: str) -> Figure:
     """KV bytes per token of a ``context``-token sequence, each way of saving them on one chart."""
     fig = Figure(figsize=(7.5, 3.8), layout="constrained")
-    fig.suptitle(f"KV bytes per token of a {context:,}-token sequence, by how they are saved",
+    fig.suptitle(f"KV bytes per token of a {context:,}-token sequence (its cache / {context:,})",
                  fontweight="bold")
     ax = fig.add_subplot()
     ax.set_title(label, fontsize=8, color="0.35")
@@ -88,8 +89,9 @@ def formats_figure(rows: list[dict], context: int, label: str) -> Figure:
         ax.text(r["per_token"] / KIB, i, f"  {r['per_token'] / KIB:,.1f}", va="center", fontsize=8)
     ax.set_yticks(range(len(rows)), names, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlim(0, 1.15 * max(r["per_token"] for r in rows) / KIB)
-    ax.set_xlabel("KiB per token")
+    ax.set_xscale("log")  # 4 KiB to 512 KiB: every bar readable
+    ax.set_xlim(1, 3 * max(r["per_token"] for r in rows) / KIB)
+    ax.set_xlabel("KiB per token (log scale)")
     ax.grid(alpha=0.3, axis="x")
     for thread, color in THREADS.items():
         ax.barh([0], [0], color=color, label=thread)

@@ -4,8 +4,7 @@ prints one line and returns what the next cell needs (a fit, a figure).
 
 Sizes take turns over rounds, so load on the machine hits them alike, and each keeps its best
 round: other work on a shared machine only ever adds time. A run whose numbers cannot be right
-(a size whose median round took over twice its best; a larger forward faster than a smaller one;
-a fitted term below zero) is flagged once, in its printed line and in its figure's label.
+(:func:`problems`, or a fitted term below zero) is flagged once, in its line and its figure's label.
 """
 
 import gc
@@ -167,7 +166,8 @@ def square_term(model, lengths, label: str, s_star: float, rounds_n: int = 3) ->
     ax1.set(xlabel="S: tokens in the forward", ylabel="ms / step", title="time per step")
     ax2.plot(sizes, [p * 1e6 for p in per_token], "o-", label="measured: best round / S")
     ax2.plot(dense, [(a / S + b + c * S) * 1e6 for S in dense], "--", color="0.3", label="fit / S")
-    ax2.axhline(b * 1e6, color="0.5", ls=":", label="b: a cost linear in S would stay here")
+    ax2.plot(dense, [(a / S + b) * 1e6 for S in dense], ":", color="0.5",
+             label="the fit without its S² term")
     ax2.set(xlabel="S: tokens in the forward", ylabel="µs per token re-run",
             title="time per token re-run")
     _axes(ax1, ax2)
@@ -175,13 +175,12 @@ def square_term(model, lengths, label: str, s_star: float, rounds_n: int = 3) ->
     plots.save(fig, "nb01_quadratic", label=_label(label, found), data={
         "lengths": sizes, "samples_s": [samples[S] for S in sizes], "fit_abc": [a, b, c],
         "problems": found})
-    cross = f"{b / c:,.0f}" if b > 0 and c > 0 else "none"
-    _say(f"per token re-run, the step rose {per_token[-1] / per_token[low]:.1f}x from "
-         f"S = {sizes[low]:,} to {sizes[-1]:,}; at S = {sizes[-1]:,} the fitted S² term is "
-         f"{c * sizes[-1] ** 2 / best[-1]:.0%} of the step; fitted crossover b / c = {cross} "
-         "tokens "
-         f"(the FLOP count's S* = {s_star:,.0f}, or {2 * s_star:,.0f} if the kernel skips the "
-         "upper half)", found)
+    _say(f"time per token re-run: {per_token[low] * 1e6:.0f} → {per_token[-1] * 1e6:.0f} µs from "
+         f"S = {sizes[low]:,} to {sizes[-1]:,} ({per_token[-1] / per_token[low]:.1f}x); at S = "
+         f"{sizes[-1]:,} the fitted S² term is {c * sizes[-1] ** 2 / best[-1]:.0%} of the step; "
+         f"fitted crossover b / c = {f'{b / c:,.0f}' if b > 0 and c > 0 else 'none'} tokens (the "
+         f"FLOP count's S* = {s_star:,.0f}, or {2 * s_star:,.0f} if the kernel skips the upper "
+         "half)", found)
     return Fit(sizes, samples, [a, b, c], found, fig)
 
 
@@ -219,11 +218,11 @@ def whole_generation(decode, model, n: int, coef, label: str) -> Figure:
     plots.save(fig, "nb01_cumulative_time", label=_label(label, found), data={
         "n_tokens": n, "no_cache_steps_s": no_cache, "cached_steps_s": with_cache,
         "fit_abc": list(coef), "problems": found})
-    _say(f"{n:,} tokens: no cache {sum(no_cache):.1f} s (the fit predicted "
-         f"{sum(predicted):.1f} s), "
-         f"with a cache {sum(with_cache):.1f} s; second half over first: no cache "
+    _say(f"{n:,} tokens: no cache {sum(no_cache):.1f} s (the fit predicted {sum(predicted):.1f} "
+         f"s), with a cache {sum(with_cache):.1f} s; second half over first: no cache "
          f"{bend['no cache']:.1f}x, with a cache {bend['cache']:.1f}x; same tokens: "
-         f"{cached.tokens == no_cache_tokens}", found)
+         + next((f"the first {i:,}, then they part" for i, (x, y) in
+                 enumerate(zip(cached.tokens, no_cache_tokens)) if x != y), f"all {n:,}"), found)
     return fig
 
 
@@ -283,17 +282,18 @@ def roofline(model, ns, peak: float, bandwidth: float, flops, label: str) -> Fig
     ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP per byte moved)",
            ylabel="achieved GFLOP/s")
     plain = FuncFormatter(lambda v, _: f"{v:g}")
-    ax.xaxis.set_major_formatter(plain)
-    ax.yaxis.set_major_formatter(plain)
+    ax.xaxis.set_major_formatter(plain), ax.yaxis.set_major_formatter(plain)
     ax.grid(alpha=0.3, which="both")
     ax.spines[["top", "right"]].set_visible(False)
     ax.legend(fontsize=8, loc="lower right")
     plots.save(fig, "nb01_roofline", label=_label(label, found), data={
         "n": list(samples), "prefill_s": list(samples.values()), "peak_flops": peak,
         "bandwidth": bandwidth, "tpot_s": tpot, "problems": found})
-    ttft = min(samples[big])
+    ttft, moved = min(samples[big]), decode_bytes(config, dtype, big + 1)
     _say(f"TTFT of a {big}-token prompt {ttft * 1e3:.0f} ms ({ttft / big * 1e3:.2f} ms a token), "
-         f"TPOT after it {tpot * 1e3:.1f} ms: {tpot / (ttft / big):.0f}x a prefilled token; share "
+         f"TPOT after it {tpot * 1e3:.1f} ms: {tpot / (ttft / big):.0f}x a prefilled token; "
+         f"bytes ÷ bandwidth predicts {moved / bandwidth * 1e3:.1f} ms: the step reads at "
+         f"{moved / tpot / 1e9:.1f} GB/s, {moved / tpot / bandwidth:.0%} of the copy's; share "
          "of the peak: " + ", ".join(f"n={n} {r / peak:.0%}" for n, (_, r) in points.items()),
          found)
     return fig

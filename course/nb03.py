@@ -1,6 +1,7 @@
 """Notebook 03's machinery (the preallocated cache): the figure it opens with (the simulated 12 GiB
 card beside the H200 reference), the drawn slots, the interleaved timing of the two caches, and on
-a GPU both caches run on the card. Each function is one notebook cell's call and prints one line.
+a GPU both caches run on the card. Each function is one notebook cell's call and prints one line
+(two where it sets this run beside the H200 reference).
 """
 
 import statistics
@@ -32,13 +33,13 @@ def answer_figure(qwen, card, context: int):
     fig = Figure(figsize=(12, 4.6), layout="constrained")
     fig.suptitle("The preallocated cache against the cat cache on a 12 GiB card", fontweight="bold")
     left, right = fig.subplots(1, 2)
+    cat = sims["cat"]
     for kind, run in sims.items():
         x = [t / 1000 for t in run.timeline["tokens"]]
         left.plot(x, [b / GIB for b in run.timeline["live"]], color=COLORS[kind],
                   label=f"{kind}: held between steps")
         left.plot(x, [b / GIB for b in run.timeline["peak"]], ":", color=COLORS[kind],
                   label=f"{kind}: peak during the chunk")
-    cat = sims["cat"]
     if not cat.fits:  # where the cat cache's next copy asked for more than the budget
         left.plot(cat.timeline["tokens"][-1] / 1000, cat.timeline["peak"][-1] / GIB, "x",
                   color=COLORS["cat"], ms=12, mew=2.5, label="cat: out of memory")
@@ -51,6 +52,21 @@ def answer_figure(qwen, card, context: int):
     left.set(title=textwrap.fill(label, 80), xlabel="thousands of tokens held", ylabel="GiB",
              ylim=(7, card.memory / GIB * 1.025))
     left.legend(fontsize=7, loc="lower right")
+    zoom = left.inset_axes([0.06, 0.5, 0.38, 0.25])  # the last tokens, where the lines nearly touch
+    end = sims["prealloc"].timeline["tokens"][-1]
+    for kind, run in sims.items():
+        near = [i for i, t in enumerate(run.timeline["tokens"]) if t >= end - 2048]
+        for key, style in (("live", "-"), ("peak", ":")):
+            zoom.plot([run.timeline["tokens"][i] / 1000 for i in near],
+                      [run.timeline[key][i] / GIB for i in near], style, color=COLORS[kind])
+    zoom.axhline(card.memory / GIB, color="black", lw=1.5, ls="--")
+    if not cat.fits:
+        zoom.plot(cat.timeline["tokens"][-1] / 1000, cat.timeline["peak"][-1] / GIB, "x",
+                  color=COLORS["cat"], ms=8, mew=2)
+    zoom.set_ylim(card.memory / GIB - 0.06, card.memory / GIB + 0.005)
+    zoom.set_title(f"zoom: prealloc peaks at {sims['prealloc'].peak / MIB:,.1f} of "
+                   f"{card.memory / MIB:,.0f} MiB", fontsize=7)
+    zoom.tick_params(labelsize=6)
     ref = plots.gpu_reference("gpu_longest")
     line = "no GPU reference (figures/h200/gpu_longest.json)"
     if ref is not None:
@@ -62,17 +78,17 @@ def answer_figure(qwen, card, context: int):
         fit = sorted((t for t in data["tries"]["prealloc"] if t["fits"]), key=lambda t: t["tokens"])
         pre_gap = [(t["peak_reserved"] - t["peak_allocated"]) / MIB for t in fit]
         right.plot([t["tokens"] / 1000 for t in fit], pre_gap, "o", color=COLORS["prealloc"],
-                   label="prealloc: one dot per trial run that fit, in the search for the "
-                         "longest context")
+                   label="prealloc: its peak in each trial run that fit (one dot per run)")
         cat_gap = max(r["reserved"] - r["allocated"] for r in trace) / MIB
-        right.set(title=f"REFERENCE ({H200})\n{textwrap.fill(ref_label, 80)}",
+        short = ref_label.replace(" (emulating a 12 GB card)", "")
+        right.set(title=f"REFERENCE: {textwrap.fill(short, 80)}",
                   xlabel="thousands of tokens", ylabel="MiB reserved above allocated",
                   ylim=(0, cat_gap * 1.3))  # room above the data for the legend
         right.legend(fontsize=7, loc="upper right")
-        line = (f"REFERENCE ({H200}): reserved above allocated, prealloc "
-                f"{min(pre_gap):.0f}..{max(pre_gap):.0f} MiB, cat up to {cat_gap:,.0f} MiB; "
-                f"longest context under the cap: prealloc {data['prealloc']:,}, cat "
-                f"{data['cat']:,}, the plan {data['arithmetic']:,}")
+        line = (f"REFERENCE ({H200}): longest context prealloc {data['prealloc']:,}, cat "
+                f"{data['cat']:,} ({gain(data['prealloc'], data['cat'])}; the plan "
+                f"{data['arithmetic']:,}); reserved above allocated: prealloc "
+                f"{min(pre_gap):.0f}..{max(pre_gap):.0f} MiB, cat up to {cat_gap:,.0f} MiB")
     for ax in (left, right):
         ax.title.set_fontsize(8)
         ax.grid(alpha=0.3)
@@ -81,13 +97,18 @@ def answer_figure(qwen, card, context: int):
                                          for k, r in sims.items()}, label)
     pre = sims["prealloc"]
     live = pre.timeline["live"]
-    cat_end = (f"cat reached {cat.timeline['tokens'][-1]:,} too" if cat.fits else
-               f"cat ran out at {cat.timeline['tokens'][-1]:,} (peak {cat.peak / MIB:,.1f} of "
-               f"{cat.budget / MIB:,.1f} MiB, its next copy over the budget)")
-    print(f"simulated card: prealloc reached {pre.timeline['tokens'][-1]:,} tokens, holding "
-          f"{min(live) / GIB:.3f} GiB from the first chunk to the last (moved "
-          f"{(max(live) - min(live)) / MIB:.1f} MiB); {cat_end}. {line}")
+    pre_end, cat_end = pre.timeline["tokens"][-1], cat.timeline["tokens"][-1]
+    cat_how = ("reached it too" if cat.fits else f"ran out at {cat_end:,} ({gain(pre_end, cat_end)}"
+               f"; its next copy over the {cat.budget / MIB:,.0f} MiB budget)")
+    print(f"simulated card: prealloc reached {pre_end:,} tokens, holding {min(live) / GIB:.3f} GiB "
+          f"from the first chunk to the last (moved {(max(live) - min(live)) / MIB:.1f} MiB); cat "
+          f"{cat_how}\n{line}")
     return fig
+
+
+def gain(pre: int, cat: int) -> str:
+    """How much longer the preallocated cache's context is than the cat cache's."""
+    return f"prealloc {pre - cat:+,} tokens, {100 * (pre / cat - 1):+.1f}%"
 
 
 def slots_figure(max_seq: int = 16, chunk: int = 4, prompt: int = 10) -> Figure:
@@ -124,10 +145,12 @@ def slots_figure(max_seq: int = 16, chunk: int = 4, prompt: int = 10) -> Figure:
     return fig
 
 
-def time_both(model, context: int, label: str, steps: int = 8, rounds: int = 3) -> None:
+def time_both(model, context: int, label: str, ref_config, steps: int = 8, rounds: int = 3) -> None:
     """Decode steps after a ``context``-token prompt, both caches, in interleaved rounds (A B, B A,
-    ...) so that a slow spell of a shared machine hits both; one line: the ratio, its range over the
-    rounds, the bytes ratio, and the H200 reference's ratio."""
+    ...) so that a slow spell of a shared machine hits both; two lines: the ratio, its range over
+    the rounds and the bytes ratio here; the H200 reference's ratio, its bytes ratio (from
+    ``ref_config``, the reference model's config) and how far its step sat above its bandwidth
+    floor."""
     device = model.device
     ids = torch.randint(0, model.config.vocab_size, (1, context),
                         generator=torch.Generator().manual_seed(0)).to(device)
@@ -147,8 +170,13 @@ def time_both(model, context: int, label: str, steps: int = 8, rounds: int = 3) 
         data = ref[0]
         cat, pre = (data["caches"][k]["ms_per_token"][-1] for k in ("cat", "prealloc"))
         name = data["model"].replace("random:", "random-weight ").replace("qwen3-4b", "Qwen3-4B")
-        h200 = (f" | REFERENCE ({H200}; {name}, {data['dtype']}, "
-                f"{data['contexts'][-1]:,} tokens): {cat / pre:.2f}x")
+        n, dtype = data["contexts"][-1], getattr(torch, data["dtype"])
+        ref_bytes = step_bytes(ref_config, dtype, n, "cat") / step_bytes(ref_config, dtype, n)
+        floor = data["bandwidth"]["floor_ms"][-1]
+        h200 = (f"\nREFERENCE ({H200}; {name}, {data['dtype']}, {n:,} tokens): cat / prealloc "
+                f"{cat / pre:.2f}x; bytes ratio {ref_bytes:.2f}x; its prealloc step took "
+                f"{pre:.1f} ms, {pre / floor:.0f}x the {floor:.1f} ms its bytes need at its "
+                "measured bandwidth")
     flag = (f"this run was disturbed ({busy}'s rounds more than 1.5x apart): its ratio means "
             "nothing; run the cell again. " if busy else "")
     print(f"{label}: {flag}after {context:,} tokens, cat / prealloc {ratio:.2f}x (per round "

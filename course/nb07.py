@@ -6,6 +6,7 @@ with their figures. The notebook keeps the caches it builds and the arithmetic i
 import statistics
 import textwrap
 import warnings
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -97,7 +98,7 @@ def waste_figure(reserved_used: dict, requests: int, label: str) -> Figure:
     ax = fig.add_subplot()
     fig.suptitle("KV memory reserved but never written", fontweight="bold")
     ax.set_title(f"{requests:,} requests of the Azure LLM trace 2023 (conversation); Qwen3-4B bf16"
-                 f"\n{label}", fontsize=7, color="0.35")
+                 f"\n{label}", fontsize=9, color="0.35")
     colors = ["tab:red" if n.startswith("slab of ") and "prompt" not in n else
               "tab:orange" if n.startswith("slab") else "tab:green" for n in share]
     ax.barh(list(share), [100 * w for w in share.values()], color=colors)
@@ -110,9 +111,8 @@ def waste_figure(reserved_used: dict, requests: int, label: str) -> Figure:
 
 def in_place_kernels(device, pages: int = 256, block: int = 16, context: int = 1000) -> list[str]:
     """Attention of one query over a ``context``-token request in a pool of ``pages`` blocks, three
-    ways: kvlib's gather + SDPA, eager FlexAttention over the pool in place (compiled, it would
-    take minutes on a CPU), and ``varlen_attn`` with a block table. One line each: same result,
-    ms (median of 5), or why not."""
+    ways: kvlib's gather + SDPA, eager FlexAttention in place (compiled: minutes on a CPU), and
+    ``varlen_attn`` with a block table. One line each: same result, ms (median of 5), or why not."""
     from torch.nn.attention.experimental._paged_attention import PagedAttention
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     from torch.nn.attention.varlen import varlen_attn
@@ -140,14 +140,15 @@ def in_place_kernels(device, pages: int = 256, block: int = 16, context: int = 1
         return time_fn(fn, device=device, warmup=1, repeats=5).ms
 
     want = gather_sdpa()
-    lines = [f"gather + SDPA: {ms(gather_sdpa):.2f} ms, copies "
+    gathered = ms(gather_sdpa)
+    lines = [f"gather + SDPA: {gathered:.2f} ms, copies "
              f"{2 * hkv * len(table) * block * d * 4:,} B per call"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager flex warns that it builds the whole score matrix
-        got = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
-        same = torch.allclose(got, want, atol=1e-5)
-        took = ms(lambda: flex_attention(q, k, v, block_mask=mask, enable_gqa=True))
-        lines.append(f"FlexAttention, eager, in place: same result {same}, {took:.2f} ms")
+        flex = partial(flex_attention, q, k, v, block_mask=mask, enable_gqa=True)
+        same, took = torch.allclose(flex(), want, atol=1e-5), ms(flex)
+        lines.append(f"FlexAttention, eager, in place: same result {same}, {took:.2f} ms "
+                     f"({took / gathered:.1f}x the gather)")
     if torch.device(device).type != "cuda":
         return [*lines, "varlen_attn with a block_table: needs CUDA (FlashAttention); skipped here"]
     try:
@@ -197,21 +198,20 @@ def throughput_figure(per_round: dict, floor: dict, cards: dict, fits: dict, lab
     left.set(title=textwrap.fill(f"SmolLM2-135M · {label}", 110), xlabel="batch",
              ylabel="tokens/s (log scale)",
              xticks=batches)
-    left.title.set_fontsize(7)
+    left.title.set_fontsize(9)
     most = max(fits.values())
-    for card, curve in cards.items():
-        (line,) = right.plot(list(curve), list(curve.values()),
-                             label=f"{card}: bandwidth limit (tokens/s)")
-        right.plot(list(fits.values()), [curve[b] for b in fits.values()], "o",
-                   color=line.get_color())
-    for (name, b), color in zip(fits.items(), ("tab:red", "tab:green")):
+    for (card, curve), color in zip(cards.items(), ("tab:blue", "tab:purple")):  # not the fits'
+        right.plot(list(curve), list(curve.values()), color=color,
+                   label=f"{card}: bandwidth limit (tokens/s)")
+        right.plot(list(fits.values()), [curve[b] for b in fits.values()], "o", color=color)
+    for (name, b), color in zip(fits.items(), ("tab:red", "tab:orange", "tab:green")):
         right.axvline(b, color=color, ls=":",
                       label=f"fits 12 GiB at {context:,} tokens: {name} ({b})")
     right.set(title="Qwen3-4B bf16: bandwidth limit, an upper bound, not a forecast",
-              xlabel="batch", ylabel="tokens/s (log scale)", xlim=(0, most + 1))
+              xlabel="batch", ylabel="tokens/s", xlim=(0, most + 1))
     right.title.set_fontsize(9)
+    left.set_yscale("log")  # the CPU's batch 1 and its limit differ several-fold
     for axis in (left, right):
-        axis.set_yscale("log")
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7)
     return fig
@@ -274,7 +274,7 @@ def paging_figure(round_ms: dict, predicted: dict, label: str, flagged: list) ->
     fig.suptitle("What reading pages adds per decode step", fontweight="bold")
     note = " · DISTURBED: rounds of the same work over 1.5x apart" if flagged else ""
     ax.set_title(textwrap.fill(f"SmolLM2-135M, pages of 16; medians, bars: range of the rounds · "
-                               f"{label}{note}", 110), fontsize=7, color="0.35")
+                               f"{label}{note}", 110), fontsize=9, color="0.35")
     step = (contexts[-1] - contexts[0]) / 40  # side by side, so the bars do not hide each other
     for (name, samples, color), shift in zip(
             (("paged step minus slab step, round by round", extra, "tab:blue"),

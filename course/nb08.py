@@ -97,29 +97,34 @@ def accuracy(model, ids, window: int = 128, sinks: int = 4) -> dict:
 
 
 def answer_figure(rows: dict, n: int, label: str) -> Figure:
-    """The KV bytes each cache holds for ``n`` tokens of text, with its perplexity on that text:
-    fewer bytes by quantizing and by forgetting, on one chart."""
+    """The KV bytes each cache holds for ``n`` tokens of text (left) beside the perplexity it gives
+    on that text (right, fp32's dashed): fewer bytes by quantizing and by forgetting."""
     full = rows["fp32 KVCache"]["bytes"]
-    names = [k for k in rows if k != "transformers fp8"]
+    names = list(rows)
     held = [n * rows[k]["bytes"] if rows[k]["bytes"] else
             full * (int(k.split()[1]) + (int(k.split()[3]) if "sinks" in k else 0)) for k in names]
+    ppl = [rows[k]["ppl"] for k in names]
     fig = Figure(figsize=(7.5, 3.6), layout="constrained")
     fig.suptitle(f"KV bytes for {n:,} tokens of text, and the perplexity each cache gives",
                  fontweight="bold")
-    ax = fig.add_subplot()
-    ax.set_title(textwrap.fill(label + " · smollm2-135m", 110), fontsize=8, color="0.35")
-    colors = ["0.3", "tab:blue", "tab:red", "tab:orange", "tab:green"]
-    ax.barh(range(len(names)), [h / MIB for h in held], color=colors[:len(names)])
-    for i, (k, h) in enumerate(zip(names, held)):
-        ax.text(h / MIB, i, f"  perplexity {rows[k]['ppl']:.2f}", va="center", fontsize=8)
-    ax.set_yticks(range(len(names)), names, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlim(0, 1.45 * max(held) / MIB)
-    ax.set_xlabel("KV bytes held (MiB)")
-    ax.grid(alpha=0.3, axis="x")
+    fig.text(0.5, 0.9, textwrap.fill(label + " · smollm2-135m", 110), ha="center", fontsize=8,
+             color="0.35")
+    left, right = fig.subplots(1, 2, sharey=True)
+    colors = ["0.3", "tab:blue", "tab:red", "tab:orange", "tab:green", "tab:purple"]
+    for ax, values, xlabel in ((left, [h / MIB for h in held], "KV bytes held (MiB)"),
+                               (right, ppl, "perplexity (lower is better)")):
+        ax.barh(range(len(names)), values, color=colors[:len(names)])
+        for i, v in enumerate(values):
+            ax.text(v, i, f" {v:.2f}", va="center", fontsize=8)
+        ax.set_xlim(0, 1.2 * max(values))
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3, axis="x")
+    right.axvline(ppl[0], color="k", lw=1, ls="--")
+    left.set_yticks(range(len(names)), names, fontsize=8)
+    left.invert_yaxis()
+    fig.get_layout_engine().set(rect=(0, 0, 1, 0.88))
     plots.save(fig, "nb08_answer", data={"n": n, "held": dict(zip(names, held)),
-                                         "perplexity": {k: rows[k]["ppl"] for k in rows}},
-               label=label)
+                                         "perplexity": dict(zip(names, ppl))}, label=label)
     return fig
 
 

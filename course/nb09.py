@@ -13,6 +13,7 @@ import torch
 from matplotlib.figure import Figure
 
 from kvlib import generate
+from kvlib.decoder import forward
 from kvlib.paged_cache import BlockPool, PagedCache
 
 from . import plots
@@ -87,7 +88,8 @@ def chat(model, prompts, new_tokens: int, rounds: int = 3) -> dict:
           f"{sum(out['plain_computed']):,} without the prefix cache, "
           f"{sum(out['cached_computed']):,} with it; time to first token at turn {last + 1}: "
           f"{_span(plain)} without, {_span(cached)} with "
-          f"({statistics.median(plain) / statistics.median(cached):.1f}x), {rounds} rounds; "
+          f"({statistics.median(plain) / statistics.median(cached):.1f}x), medians of "
+          f"{rounds} rounds (min..max); "
           f"answers identical: {out['same_tokens']}")
     return out
 
@@ -110,29 +112,59 @@ def request_mix(model, tok, systems: list[str], questions: list[str], seed: int 
     return {"requests": len(requests), "cached": cached, "prompt": prompt}
 
 
+def _forward_ms(model, ids, rows: int, reps: int = 5) -> float:
+    """Median ms of one forward at the prompt's end over ``rows`` rows, each at its own slot as the
+    verify forward runs them, cropped back after each."""
+    cache = generate(model, ids, 1, max_seq=ids.shape[1] + rows).cache  # holds the prompt
+    pos, feed = cache.seq_len, [ids[:, -1:]] * rows
+    times = []
+    for _ in range(reps + 1):  # the first is a warm-up
+        start = time.perf_counter()
+        forward(model, feed, [cache] * rows, [pos + i for i in range(rows)]).tolist()
+        times.append(time.perf_counter() - start)
+        cache.crop(pos)
+    return 1e3 * statistics.median(times[1:])
+
+
+def _mid(values) -> str:
+    return f"{statistics.median(values):.1f} ({min(values):.1f}..{max(values):.1f})"
+
+
 def lookup(model, tasks: dict, new_tokens: int, k: int, rounds: int = 5) -> dict:
     """Per task, plain greedy and prompt lookup (``k`` guesses) timed in alternating rounds:
-    tokens per second over the whole request (the same prefill in both)."""
+    tokens per second over the whole request (the same prefill in both) and over the decode only
+    (the time of the prefill and first token, measured in the same round, taken off); and one
+    forward at the prompt's end over 1 row against ``k + 1`` rows."""
     out = {}
     for name, ids in tasks.items():
-        times, gens = {None: [], k: []}, {}
+        times, gens, first = {None: [], k: []}, {}, []
         for r in range(rounds):
+            start = time.perf_counter()
+            generate(model, ids, 1)
+            first.append(time.perf_counter() - start)
             for mode in (None, k) if r % 2 == 0 else (k, None):
                 start = time.perf_counter()
                 gens[mode] = generate(model, ids, new_tokens, prompt_lookup_num_tokens=mode)
                 times[mode].append(time.perf_counter() - start)
         g, n = gens[k], len(gens[k].tokens)
         tps = {mode: [n / t for t in ts] for mode, ts in times.items()}
+        decode = {mode: [(n - 1) / max(t - f, 1e-9) for t, f in zip(ts, first)]
+                  for mode, ts in times.items()}
+        ms = {rows: _forward_ms(model, ids, rows) for rows in (1, k + 1)}
         out[name] = {"plain": tps[None], "lookup": tps[k], "tokens": n,
+                     "decode_plain": decode[None], "decode_lookup": decode[k], "forward_ms": ms,
                      "same": g.tokens == gens[None].tokens, "accepted": g.accepted,
-                     "drafted": g.drafted, "per_forward": (n - 1) / g.forwards}
-        ratio = statistics.median(tps[k]) / statistics.median(tps[None])
+                     "drafted": g.drafted, "forwards": g.forwards,
+                     "per_forward": (n - 1) / g.forwards}
+        ratio = {key: statistics.median(v[k]) / statistics.median(v[None])
+                 for key, v in (("whole", tps), ("decode", decode))}
         print(f"{name}: {n} tokens, identical {out[name]['same']}; guesses kept "
-              f"{g.accepted}/{g.drafted} ({g.accepted / max(g.drafted, 1):.0%}), "
-              f"{out[name]['per_forward']:.2f} tokens a forward; tokens/s plain "
-              f"{statistics.median(tps[None]):.1f} ({min(tps[None]):.1f}..{max(tps[None]):.1f}), "
-              f"lookup {statistics.median(tps[k]):.1f} ({min(tps[k]):.1f}..{max(tps[k]):.1f}): "
-              f"{ratio:.2f}x")
+              f"{g.accepted}/{g.drafted} over {g.forwards} forwards, "
+              f"{out[name]['per_forward']:.2f} tokens a forward; one forward at this context: "
+              f"1 row {ms[1]:.1f} ms, {k + 1} rows {ms[k + 1]:.1f} ms. Tokens/s, median of "
+              f"{rounds} rounds (min..max), whole request: plain {_mid(tps[None])}, lookup "
+              f"{_mid(tps[k])}, {ratio['whole']:.2f}x; decode only: plain {_mid(decode[None])}, "
+              f"lookup {_mid(decode[k])}, {ratio['decode']:.2f}x")
     return out
 
 
@@ -153,17 +185,20 @@ def _bars(ax, groups: list[str], series: dict[str, list[list[float]]]) -> None:
 def figure(chat_out: dict, lookup_out: dict, label: str) -> Figure:
     """Left: time to first token per turn, without and with the prefix cache. Right: tokens/s of
     plain greedy and prompt lookup per task. Medians, whiskers min..max; saved as nb09_reuse."""
-    fig = Figure(figsize=(10, 4), layout="constrained")
+    fig = Figure(figsize=(10, 4.6))
     fig.suptitle("Reuse: the prefix cache and prompt lookup", fontweight="bold")
-    fig.text(0.5, 0.005, label, ha="center", fontsize=7, color="0.35", wrap=True)
+    fig.subplots_adjust(bottom=0.25, top=0.85, wspace=0.3)
+    fig.text(0.5, 0.01, label, ha="center", va="bottom", fontsize=7, color="0.35", wrap=True)
     left, right = fig.subplots(1, 2)
-    turns = [f"turn {t + 1}\n{c} / {p} computed" for t, (c, p) in
+    turns = [f"turn {t + 1}\ncached run: {c} of {p}\ncomputed" for t, (c, p) in
              enumerate(zip(chat_out["cached_computed"], chat_out["prompt"]))]
     _bars(left, turns, {"no prefix cache": chat_out["plain_ttft"],
                         "prefix cache": chat_out["cached_ttft"]})
     left.set(ylabel="time to first token (s)", title="multi-turn chat: prefill skipped")
     tasks = list(lookup_out)
-    _bars(right, tasks, {"plain greedy": [lookup_out[t]["plain"] for t in tasks],
+    names = [f"{t}\n{o['accepted']} of {o['drafted']} guesses kept\n"
+             f"{o['per_forward']:.2f} tokens a forward" for t, o in lookup_out.items()]
+    _bars(right, names, {"plain greedy": [lookup_out[t]["plain"] for t in tasks],
                          "prompt lookup": [lookup_out[t]["lookup"] for t in tasks]})
     right.set(ylabel="tokens/s (whole request)", title="prompt lookup: where it hits, where not")
     plots.save(fig, "nb09_reuse", {"chat": chat_out, "lookup": lookup_out}, label)

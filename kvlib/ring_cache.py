@@ -64,9 +64,9 @@ class RingCache:
         check_crop(self, seq_len)
         held = max(self.sinks, self.seq_len - self.window)  # the oldest held past the sinks
         if (needs := max(self.sinks, seq_len - self.window + 1)) < min(held, seq_len):
-            raise ValueError(f"crop to {seq_len}: a query there sees positions {needs}.."
-                             f"{seq_len - 1}, but a ring of window {self.window} at {self.seq_len} "
-                             f"holds {held}..{self.seq_len - 1} of them (sinks {self.sinks})")
+            raise ValueError(f"crop to {seq_len}: the next query, at position {seq_len}, needs "
+                             f"{needs}..{seq_len - 1} (and the sinks), but at {self.seq_len}"
+                             f" the ring holds {held}..{self.seq_len - 1}: {needs} was overwritten")
         self.seq_len, self._ends, self._chunk = seq_len, [seq_len] * self.n_layers, {}
 
     def _held(self, end: int) -> list[int]:

@@ -163,8 +163,8 @@ def test_a_ring_past_its_window_crops_within_what_it_holds_and_refuses_more():
     cache = make("ring", window=4, sinks=1)
     write(cache, 0, *data(10, seed=0))  # holds position 0 and 6..9
     before = views(cache)
-    msg = (r"crop to 8: a query there sees positions 5\.\.7, but a ring of window 4 at 10 holds "
-           r"6\.\.9 of them \(sinks 1\)")
+    msg = (r"crop to 8: the next query, at position 8, needs 5\.\.7 \(and the sinks\), but at 10 "
+           r"the ring holds 6\.\.9: 5 was overwritten")
     with pytest.raises(ValueError, match=msg):
         cache.crop(8)
     assert cache.seq_len == 10 and all(torch.equal(a, b) for a, b in zip(views(cache), before))

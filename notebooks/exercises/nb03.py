@@ -162,8 +162,9 @@ class RingCacheSolution:
 
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """``k``, ``v``: ``[1, Hkv, D]``, the token at position ``pos``."""
-        self.k[layer, :, pos % self.window] = k[0]
-        self.v[layer, :, pos % self.window] = v[0]
+        s = pos % self.window
+        self.k[layer, :, s : s + 1] = k.transpose(0, 1)  # a slice, as KVCache writes: [Hkv, 1, D]
+        self.v[layer, :, s : s + 1] = v.transpose(0, 1)
 
     def view(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[1, Hkv, min(seq, window), D]`` after ``seq`` tokens: the slots written so far."""

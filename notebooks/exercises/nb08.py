@@ -104,8 +104,8 @@ def check_quantize(fn) -> None:
 
 def int4_copy_bytes(config) -> int:
     """Bytes per token of context that one layer's ``dequantize`` holds at its peak, in bf16:
-    K's copy (2 bytes an element) stays alive while V's nibbles become int8 codes (1 byte) and
-    then V's copy (2 bytes)."""
+    three things alive at once: K's copy (2 bytes an element), V's codes unpacked to one byte an
+    element, and V's copy (2 bytes)."""
     return 5 * kv_heads(config) * head_dim(config)
 
 
