@@ -141,8 +141,8 @@ def reference_longest() -> str:
     planned = data["arithmetic"]
     return wrapped(f"REFERENCE ({reference_label(label)}): under the real allocator prealloc "
                    f"reached {data['prealloc']:,} tokens and cat {data['cat']:,}; prealloc's is "
-                   f"{data['prealloc'] / planned:.1%} of the plan for the kvlib that ran "
-                   f"({planned:,})")
+                   f"{data['prealloc'] / planned:.1%} of that run's own plan ({planned:,}, which "
+                   f"priced a prefill mask that grows with the context)")
 
 
 def reference_step() -> str:
