@@ -105,10 +105,10 @@ def _check_request(model, ids: torch.Tensor, cache: Cache, max_new_tokens: int, 
                          f"tokens > max_seq={cache.max_seq}")
     trained = getattr(model.config, "max_position_embeddings", None)
     last = end - 2  # the last new token is never fed back
-    if getattr(cache, "positions", "absolute") == "cache":  # RoPE sees places in the ring only
-        held, step = cache.sinks + cache.window, prefill_chunk or n  # a chunk reads its copy
-        last = min(last, max(held - 1, *(min(start + c, held) + min(step, n - c) - 1
-                                          for c in range(0, n, step))))
+    if getattr(cache, "positions", "absolute") == "cache":  # RoPE sees the ring's places only
+        step = prefill_chunk or n  # each prefill chunk, then the last decode step
+        reads = [(start + c, min(step, n - c)) for c in range(0, n, step)] + [(end - 2, 1)]
+        last = min(last, max(len(cache.places(s, k)) for s, k in reads) - 1)
     if trained and last >= trained and not extrapolate:
         raise ValueError(f"{who}{start} cached + {n} prompt + {max_new_tokens} new tokens reach "
                          f"position {last}, past max_position_embeddings={trained}, the longest "

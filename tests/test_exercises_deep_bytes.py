@@ -1,9 +1,10 @@
 """The deep dive's exercise check, and the wrong answers it must catch."""
 
+import torch
 from exercises import deep_bytes
 from helpers import check_tests
 
-from kvlib.config import kv_bytes_per_token
+from kvlib.config import kv_bytes_per_token, load_config
 
 
 def _heads(config):
@@ -45,9 +46,6 @@ def test_kvlibs_pricing_is_hidden(capsys):
 
 def test_the_solution_is_kvlibs_price():
     """The reference solution agrees with kvlib on every shipped format (so the check is right)."""
-    import torch
-
-    from kvlib.config import load_config
     for name in deep_bytes.FORMATS:
         config = load_config(name)
         for context in (10, 1_024, 50_000):

@@ -31,14 +31,6 @@ def bytes_per_token_solution(config, dtype: torch.dtype, context: int) -> int:
     return 2 * layers * config.num_key_value_heads * D * dtype.itemsize
 
 
-def _without(config, **changes):
-    """A copy of ``config`` with attributes changed or (``None``) treated as absent."""
-    copy = type(config).from_dict(config.to_dict())
-    for key, value in changes.items():
-        setattr(copy, key, value)
-    return copy
-
-
 @check
 def check_bytes_per_token(fn) -> None:
     """``fn(config, dtype, context)`` on the five shipped formats, in bf16 and fp32, inside and past
