@@ -86,8 +86,8 @@ def answer_figure(qwen, card, context: int):
                   ylim=(0, cat_gap * 1.3))  # room above the data for the legend
         right.legend(fontsize=7, loc="upper right")
         line = (f"REFERENCE ({H200}): longest context prealloc {data['prealloc']:,}, cat "
-                f"{data['cat']:,} ({gain(data['prealloc'], data['cat'])}; the plan "
-                f"{data['arithmetic']:,}); reserved above allocated: prealloc "
+                f"{data['cat']:,} ({gain(data['prealloc'], data['cat'])}); reserved above "
+                f"allocated: prealloc "
                 f"{min(pre_gap):.0f}..{max(pre_gap):.0f} MiB, cat up to {cat_gap:,.0f} MiB")
     for ax in (left, right):
         ax.title.set_fontsize(8)

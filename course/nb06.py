@@ -131,8 +131,8 @@ def reference_label(label: str) -> str:
 
 def reference_longest() -> str:
     """The GPU reference (figures/h200/: an H200, allocator capped at 12 GiB), read from its JSON:
-    the longest context each cache reached under the real allocator, against the plan of the kvlib
-    that ran there, which held more than the one this notebook plans. The one line that prints the
+    the longest context each cache reached under the real allocator, against the plan for the loop
+    that ran there (notebook 00 says why it differs from this one). The one line that prints the
     run's whole label."""
     found = plots.gpu_reference("gpu_longest")
     if found is None:
@@ -141,8 +141,8 @@ def reference_longest() -> str:
     planned = data["arithmetic"]
     return wrapped(f"REFERENCE ({reference_label(label)}): under the real allocator prealloc "
                    f"reached {data['prealloc']:,} tokens and cat {data['cat']:,}; prealloc's is "
-                   f"{data['prealloc'] / planned:.1%} of that run's own plan ({planned:,}, which "
-                   f"priced a prefill mask that grows with the context)")
+                   f"{data['prealloc'] / planned:.1%} of the plan for the loop it ran "
+                   f"({planned:,})")
 
 
 def reference_step() -> str:

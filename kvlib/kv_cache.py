@@ -1,7 +1,7 @@
 """Preallocated KV: ``k, v: [L, S, Hkv, D]``, written in place and never grown, because a ``cat``
 on every step copies the whole cache and a card runs out well before the arithmetic says. The
 ``layout`` changes strides, never results: ``"head"`` stores ``[L, Hkv, S, D]``, so the ``[S, D]``
-block SDPA reads is contiguous; ``"seq"``, the original design, makes the write contiguous instead.
+block SDPA reads is contiguous; ``"seq"`` makes the write contiguous instead.
 """
 
 import torch
@@ -16,7 +16,7 @@ LAYOUTS = ("head", "seq")
 
 
 class KVCache:
-    """Two fixed ``[L, S, Hkv, D]`` tensors; slots past ``seq_len`` are zeros nothing reads.
+    """Two fixed ``[L, S, Hkv, D]`` tensors; slots past ``seq_len`` are zeros, read only masked.
     ``device=None``: CUDA when there is one, else the CPU, so the default runs on a laptop too."""
 
     __slots__ = ("k", "v", "n_layers", "max_seq", "n_kv_heads", "head_dim", "layout", "seq_len",
@@ -35,8 +35,8 @@ class KVCache:
         self.layout, self.seq_len = layout, 0
         stored = (L, H, S, D) if layout == "head" else (L, S, H, D)
         device = default_device() if device is None else device
-        # zeros, not empty: the unwritten tail is never read, but paying for the pages up front is
-        # what makes memory flat during generation. The public tensors are [L, S, H, D] either way.
+        # zeros, not empty: a fixed-shape step reads the unwritten tail under a mask, where a NaN
+        # would poison softmax; pages paid up front keep memory flat. [L, S, H, D] either way.
         k, v = (torch.zeros(stored, dtype=dtype, device=device) for _ in "kv")
         self.k, self.v = (k.transpose(1, 2), v.transpose(1, 2)) if layout == "head" else (k, v)
         # Per-layer views, built once (`self.k[layer]` would be a new view every layer of every

@@ -99,7 +99,7 @@ CASES = [
 ]
 
 test_check = check_tests(nb06, CASES, notes={nb06.check_card_needed: "meet both",
-                                             nb06.check_tokens_lost: "KiB a token"})
+                                             nb06.check_tokens_lost: "overhead / KV per token"})
 
 
 def test_the_asked_case_is_first_and_fits():

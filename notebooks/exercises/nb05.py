@@ -29,9 +29,9 @@ TRACE = ((StaticStep, "span"), (_HERE, "trace_waste_solution"))
 # --- 1. the smallest bucket within a graph limit, and what it reads masked ----------------
 
 PICK_CASES = [  # (config name, dtype, max_seq, max_graphs, max_masked_bytes)
-    ("qwen3-4b", torch.bfloat16, 30976, 128, 64 * MIB),  # a cache near the 12 GiB plan: fits
-    ("qwen3-4b", torch.bfloat16, 30976, 8, 64 * MIB),  # too few graphs for 64 MiB: None
-    ("qwen3-4b", torch.bfloat16, 30976, 1, 8 * GIB),  # one graph: the whole-buffer mask
+    ("qwen3-4b", torch.bfloat16, 32579, 128, 64 * MIB),  # a cache near the 12 GiB plan: fits
+    ("qwen3-4b", torch.bfloat16, 32579, 8, 64 * MIB),  # too few graphs for 64 MiB: None
+    ("qwen3-4b", torch.bfloat16, 32579, 1, 8 * GIB),  # one graph: the whole-buffer mask
     ("smollm2-135m", torch.float32, 1000, 3, 64 * MIB),  # 1000 / 3 is not whole: round up
     ("llama-3.2-3b", torch.float16, 1024, 4, 255 * 114688),  # exactly at the limit: it fits
     ("smollm2-135m", torch.float32, 64, 100, 0),  # more graphs than slots: buckets of 1
@@ -124,8 +124,8 @@ def check_pick_bucket(fn) -> None:
 # --- 2. a conversation's masked reads, and the graphs it captures ------------------------
 
 TRACE_CASES = [  # (config name, dtype, max_seq, bucket, t0, steps)
-    ("qwen3-4b", torch.bfloat16, 30976, 256, 1000, 500),  # a 1,000-token prompt, 500 tokens out
-    ("qwen3-4b", torch.bfloat16, 30976, 30976, 1000, 500),  # the same with one whole-buffer mask
+    ("qwen3-4b", torch.bfloat16, 32579, 256, 1000, 500),  # a 1,000-token prompt, 500 tokens out
+    ("qwen3-4b", torch.bfloat16, 32579, 32579, 1000, 500),  # the same with one whole-buffer mask
     ("smollm2-135m", torch.float32, 2048, 64, 0, 2048),  # the whole cache, from empty
     ("llama-3.2-3b", torch.float16, 1000, 256, 990, 10),  # the capped last bucket
 ]
@@ -167,7 +167,7 @@ def check_trace_waste(fn) -> None:
                f"{got[1]:,} B masked; StaticStep captures {want[0]} graphs on this trace and "
                f"reads {want[1]:,} B of masked K and V. Hint: count only the spans the trace "
                f"reaches; a step with t held needs t + 1 slots, the rest of its span is masked.")
-    pairs = {b: _true_trace(load_config("qwen3-4b"), torch.bfloat16, 30976, b, 1000, 500)
+    pairs = {b: _true_trace(load_config("qwen3-4b"), torch.bfloat16, 32579, b, 1000, 500)
              for b in (64, 1024)}
     return "your prediction, on a 1,000-token prompt and 500 tokens out: " + "; ".join(
         f"buckets of {b:,}: {g} graphs, {m / MIB:,.0f} MiB masked" for b, (g, m) in pairs.items())

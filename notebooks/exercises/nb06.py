@@ -41,8 +41,8 @@ def _name(dtype: torch.dtype) -> str:
 def longest_context_solution(config, dtype: torch.dtype, batch: int, budget_bytes: int) -> int:
     """The largest context with weights + KV + the run's workspace within the budget.
 
-    The workspace grows with the context (a prefill chunk's mask has a column per cached token),
-    so no single division gives it: bisect between a context that fits (0) and one whose cache
+    The workspace grows a little with the context (the prompt's ids stay on the device), so no
+    single division gives it: bisect between a context that fits (0) and one whose cache
     alone would not.
     """
     weights = weight_bytes(config, dtype)
@@ -211,8 +211,8 @@ def check_card_needed(fn) -> str:
                f"{case}: you said {got_memory} B of memory; the plan needs {least:,} B = weights "
                f"{parts['weights']:,} + KV {parts['kv']:,} + workspace {parts['workspace']:,}.",
                next((f" {text}" for wrong, text in (
-                   (parts["weights"] + parts["kv"], "Hint: the workspace too, which grows with the "
-                                                    "context (a prefill chunk's mask)."),
+                   (parts["weights"] + parts["kv"], "Hint: the workspace too: run_workspace "
+                                                    "at that context."),
                    (as_prealloc if cache == "cat" else None,
                     f"Hint: that is the prealloc cache's workspace; call run_workspace(config, "
                     f"dtype, context, {PREFILL_CHUNK}, cache=\"cat\") for the cat cache."),
@@ -248,8 +248,9 @@ def check_card_needed(fn) -> str:
 
 def tokens_lost_solution(config, dtype: torch.dtype, budget_bytes: int, overhead_bytes: int) -> int:
     """Tokens the plan's longest context (batch 1) loses when ``overhead_bytes`` of the budget are
-    taken by what it does not count (a CUDA context, libraries' workspaces). Fewer than
-    ``overhead_bytes / KV per token``: a shorter context also needs a smaller workspace."""
+    taken by what it does not count (a CUDA context, libraries' workspaces). At most
+    ``overhead_bytes / KV per token``: fewer where the workspace shrinks with the context too
+    (a mask per cached token: fp32 with grouped heads, or the math kernel)."""
     longest = longest_context_solution(config, dtype, 1, budget_bytes)
     return longest - longest_context_solution(config, dtype, 1, budget_bytes - overhead_bytes)
 
@@ -274,15 +275,17 @@ def check_tokens_lost(fn) -> str:
         expect(got is not None and int(got) == want,
                f"{name} in {_name(dtype)} on {gib} GiB, {mib:,} MiB taken: you said {got}, the "
                f"plan loses {want:,} tokens (the KV alone would say {kv_only:,}).",
-               hint(got, {kv_only: "Hint: that is the overhead over the KV per token; the "
-                                   "workspace shrinks with the context too, so a token freed "
-                                   "gives back more than its KV.",
+               hint(got, {kv_only: "Hint: that is the overhead over the KV per token; here "
+                                   "the workspace shrinks with the context too (a mask per "
+                                   "cached token), so a token freed gives back more than its KV.",
                           -want: "Hint: tokens lost, a positive number."},
                     "Hint: your plan_longest of exercise 1, with and without the overhead."))
-    name, dtype, gib, mib = LOST_CASES[0]
-    config = load_config(name)
-    lost = tokens_lost_solution(config, dtype, gib * GIB, mib * MIB)
-    kv = kv_bytes_per_token(config, dtype)
-    return (f"{name} on {gib} GiB: every {mib} MiB the plan does not count costs {lost:,} tokens, "
-            f"{mib * MIB / lost / 1024:.1f} KiB a token: its {kv // 1024} KiB of KV and the "
-            f"workspace's growth per token.")
+    notes = []
+    for name, dtype, gib, mib in (LOST_CASES[0], LOST_CASES[-1]):  # bf16; fp32, grouped heads
+        config = load_config(name)
+        lost = tokens_lost_solution(config, dtype, gib * GIB, mib * MIB)
+        kv_only = mib * MIB // kv_bytes_per_token(config, dtype)
+        notes.append(f"{name} in {_name(dtype)}, {mib:,} MiB of {gib} GiB: {lost:,} tokens "
+                     f"(overhead / KV per token: {kv_only:,})")
+    return ("; ".join(notes) + ". Fewer than the division only where the workspace shrinks with "
+            "the context too: fp32 with grouped heads prices a mask per cached token.")
