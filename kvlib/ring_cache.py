@@ -6,8 +6,8 @@ attention ignores the slots' order. A chunk of ``n > 1`` tokens would overwrite 
 queries need, so it copies the held slots first (:meth:`RingCache.visible` says which each query
 sees). ``sinks`` keeps the first positions beside the ring (StreamingLLM).
 
-``positions="absolute"`` rotates a key by its position in the text, so a stream stops at the
-model's ``max_position_embeddings``; ``"cache"`` (StreamingLLM's) by its place in the cache, sinks
+``positions="absolute"`` rotates a key by its position in the text, which ``generate`` refuses past
+``max_position_embeddings``; ``"cache"`` (StreamingLLM's) by its place in the cache, sinks
 first. A full ring's keys all move down a place per step, so re-rotating on eviction would touch
 them all anyway: they are held unrotated and rotated on read, one RoPE per step and layer."""
 
