@@ -1,12 +1,6 @@
 #!/usr/bin/env bash
-# Set up the course on a fresh machine, then open it or test it.
-#
-#   ./course.sh [JUPYTER FLAGS]      open the notebooks in JupyterLab; flags go to it
-#                                    (./course.sh --no-browser --port 8899)
-#   ./course.sh test                 run every notebook and test (pytest --nbval notebooks tests)
-#   ./course.sh gpu-check [OUTDIR]   validate the course on a CUDA machine (README: "The GPU check");
-#                                    --dry-run walks it on any machine, SKIPping the CUDA checks
-#   ./course.sh gpu-wheels           download the wheels the GPU check installs offline, into .whl/
+# Set up the course on a fresh machine, then open it or test it: ./course.sh --help lists the
+# commands (usage() below), then JupyterLab's own flags.
 #
 # The first run makes .venv/ and installs everything into it; later runs reuse it
 # (it reinstalls when requirements.txt changes). Set PYTHON to choose the interpreter.
@@ -15,6 +9,18 @@ cd "$(dirname "$0")"
 
 venv=.venv
 py=$venv/bin/python
+
+usage() {
+    cat <<'EOF'
+The course's commands:
+  ./course.sh [open] [JUPYTER FLAGS]  open the notebooks in JupyterLab, e.g. --no-browser --port 8899
+  ./course.sh test [PYTEST ARGS]      run every notebook and test (pytest --nbval notebooks tests)
+  ./course.sh gpu-check [OUTDIR]      validate the course on a CUDA machine (--dry-run: on any machine)
+  ./course.sh gpu-wheels              download the wheels the GPU check installs offline, into .whl/
+  ./course.sh --help | -h             this, then JupyterLab's flags
+The first run of open or test sets up .venv/.
+EOF
+}
 
 setup() {
     if [ ! -x "$py" ]; then
@@ -42,8 +48,9 @@ setup() {
             > "$settings/overrides.json"; }
 }
 
-# Only flags (./course.sh --no-browser --port 8899) mean "open" with those flags.
-[ "${1:-}" = "${1#-}" ] || set -- open "$@"
+# Flags (./course.sh --no-browser --port 8899) mean "open" with those flags; --help or -h first
+# means the course's commands, then JupyterLab's.
+case "${1:-}" in -h|--help) set -- help ;; -*) set -- open "$@" ;; esac
 
 case "${1:-open}" in
     gpu-check)
@@ -66,6 +73,15 @@ case "${1:-open}" in
             --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
             --platform manylinux2014_x86_64 pytest nbval ipykernel ipywidgets
         du -sh .whl ;;
+    help)
+        usage
+        # JupyterLab's flags, without installing gigabytes to list them.
+        if [ -x "$venv/bin/jupyter" ]; then
+            printf "\nJupyterLab's flags, which ./course.sh [open] passes on:\n\n"
+            ${COURSE_SH_ECHO:+echo} exec "$venv/bin/jupyter" lab --help
+        else
+            echo "JupyterLab's flags: ./course.sh --help lists them once a first run has set up $venv/."
+        fi ;;
     open)
         setup
         shift || true
@@ -74,5 +90,5 @@ case "${1:-open}" in
         # COURSE_SH_ECHO=1 prints the command instead (the tests check the argument handling).
         ${COURSE_SH_ECHO:+echo} exec "$venv/bin/jupyter" lab notebooks/ ${root[@]+"${root[@]}"} "$@" ;;
     test) setup; shift; exec "$py" -m pytest --nbval notebooks tests "$@" ;;
-    *) echo "usage: ./course.sh [open] [JUPYTER FLAGS] | test [PYTEST ARGS] | gpu-check [OUTDIR] [--dry-run] | gpu-wheels" >&2; exit 2 ;;
+    *) { echo "./course.sh: no command '$1'"; usage; } >&2; exit 2 ;;
 esac

@@ -1,6 +1,8 @@
-"""./course.sh's argument handling: flags alone open JupyterLab with those flags."""
+"""./course.sh's argument handling: flags alone open JupyterLab with those flags; --help lists the
+course's own commands before JupyterLab's flags."""
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -11,10 +13,19 @@ if not (ROOT / ".venv" / "bin" / "python").exists():
     pytest.skip("needs the course's .venv (./course.sh sets it up)", allow_module_level=True)
 
 
-def course_sh(*args):
+COMMANDS = ["./course.sh [open]", "./course.sh test", "./course.sh gpu-check", "./course.sh gpu-wheels"]
+
+
+def course_sh(*args, script=ROOT / "course.sh"):
     env = {**os.environ, "COURSE_SH_ECHO": "1"}
-    return subprocess.run(["bash", str(ROOT / "course.sh"), *args], env=env, cwd=ROOT,
+    return subprocess.run(["bash", str(script), *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
+
+
+def listed(text):
+    """The course's commands in the order the text lists them, one a line."""
+    lines = [line.strip() for line in text.splitlines()]
+    return [c for line in lines for c in COMMANDS if line.startswith(c + " ")]
 
 
 def test_flags_alone_open_jupyterlab_with_those_flags():
@@ -30,6 +41,25 @@ def test_open_takes_the_same_flags():
     assert run.stdout.split()[-1] == "--no-browser"
 
 
-def test_an_unknown_command_prints_the_usage():
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_the_course_commands_then_jupyterlabs_flags(flag):
+    run = course_sh(flag)
+    assert run.returncode == 0, run.stderr
+    assert listed(run.stdout) == COMMANDS
+    last = run.stdout.rstrip().splitlines()[-1]
+    assert last.endswith("bin/jupyter lab --help")  # JupyterLab's help comes after the commands
+
+
+def test_help_installs_nothing_where_there_is_no_venv(tmp_path):
+    shutil.copy(ROOT / "course.sh", tmp_path)
+    run = course_sh("--help", script=tmp_path / "course.sh")
+    assert run.returncode == 0, run.stderr
+    assert listed(run.stdout) == COMMANDS
+    assert "once a first run has set up .venv/" in run.stdout
+    assert not (tmp_path / ".venv").exists()
+
+
+def test_an_unknown_command_names_itself_and_lists_the_commands():
     run = course_sh("tset")
-    assert run.returncode == 2 and "usage: ./course.sh" in run.stderr
+    assert run.returncode == 2 and "./course.sh: no command 'tset'" in run.stderr
+    assert listed(run.stderr) == COMMANDS
