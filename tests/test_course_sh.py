@@ -13,7 +13,7 @@ if not (ROOT / ".venv" / "bin" / "python").exists():
     pytest.skip("needs the course's .venv (./course.sh sets it up)", allow_module_level=True)
 
 
-COMMANDS = ["./course.sh [open]", "./course.sh test", "./course.sh gpu-check", "./course.sh gpu-wheels"]
+COMMANDS = [f"./course.sh {c}" for c in ("[open]", "test", "gpu-check", "gpu-wheels")]
 
 
 def course_sh(*args, script=ROOT / "course.sh"):

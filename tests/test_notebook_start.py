@@ -1,6 +1,8 @@
-"""Every notebook's first code cell, the Colab install cell: one text in all of them, no invented
-address, and what it does on Colab (clone COURSE_REPO, or stop and say what to set) and elsewhere
-(nothing). The cell's IPython lines (!git, %pip, %cd) go to a recording stand-in for the shell."""
+"""What a learner meets as a notebook opens. Its kernelspec is the one JupyterLab writes, so that
+opening it marks nothing unsaved (tests/browser_check.py shows it in a browser). Its first code
+cell, the Colab install cell: one text in every notebook, no invented address, and what it does on
+Colab (clone COURSE_REPO, or stop and say what to set) and elsewhere (nothing). The cell's IPython
+lines (!git, %pip, %cd) go to a recording stand-in for the shell."""
 
 import json
 import os
@@ -56,6 +58,15 @@ def run_cell(monkeypatch, colab: bool, repo: str | None) -> Shell:
     namespace["get_ipython"] = lambda: shell
     exec(TransformerManager().transform_cell(CELL), namespace)
     return shell
+
+
+def test_every_notebook_names_the_kernel_as_jupyterlab_does():
+    kernelspec = pytest.importorskip("jupyter_client.kernelspec")
+    spec = kernelspec.KernelSpecManager().get_kernel_spec("python3")  # the kernel JupyterLab starts
+    written = {"display_name": spec.display_name, "language": spec.language, "name": "python3"}
+    rewritten = [p.name for p in NOTEBOOKS
+                 if json.loads(p.read_text())["metadata"]["kernelspec"] != written]
+    assert not rewritten, f"JupyterLab would rewrite the kernelspec to {written} in {rewritten}"
 
 
 def test_every_notebook_starts_with_the_same_install_cell():
