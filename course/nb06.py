@@ -187,8 +187,8 @@ def calculator_lines(model="qwen3-4b", dtype="bfloat16", batch=1, context=8192, 
     head = f"plan_budget · {model} · {dtype} · batch {batch}{layout} · {budget_gib:g} GiB:"
     over = b.weights - b.budget
     if over > 0:
-        answer = (f"no context fits: the weights, at {b.weights / GIB:.2f} GiB, exceed the budget "
-                  f"by {over / GIB:.2f} GiB")
+        answer = (f"no context fits: the weights alone, at {b.weights / GIB:.2f} GiB, exceed the "
+                  f"budget by {over / GIB:.2f} GiB")
     elif b.max_context == 0:
         answer = (f"no context fits: the weights, at {b.weights / GIB:.2f} GiB, leave "
                   f"{-over / GIB:.2f} GiB, less than one token's KV and the workspace")
@@ -198,6 +198,11 @@ def calculator_lines(model="qwen3-4b", dtype="bfloat16", batch=1, context=8192, 
         answer = (f"longest context {window:,} tokens; the limit: the model's {window:,} positions "
                   f"(memory alone: {b.max_context:,})")
     lines = [wrapped(f"{head} {answer}")]
+    short = -b.breakdown(context)["free"]
+    if short > 0:  # what the bar's "over by" measures: every part at the chosen context
+        lines.append(wrapped(f"at {context:,} tokens (the bar): weights, KV and workspace need "
+                             f"{(b.budget + short) / GIB:.2f} GiB, over by {short / GIB:.2f} GiB "
+                             "in all"))
     if context > window:
         lines.append(wrapped(f"{context:,} tokens is past {model}'s window of {window:,}: the "
                              "bar shows what it would take, but the model never saw positions "

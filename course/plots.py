@@ -131,13 +131,16 @@ def budget_bar(budget: Budget | list[tuple[str, Budget]], context: int, label: s
     """Stacked bars, one per budget: weights, KV at ``context`` tokens, workspace, free.
 
     Segments are annotated in GiB and the budget is a red tick. Where ``context`` does not fit,
-    every segment is still drawn, past the tick, and the bar says by how much it is over. A
-    segment's number is drawn only where it fits inside the segment as drawn (the axis spans the
-    widest bar, however far past the budget), so no number sits on the axis or on a neighbour.
+    every segment is still drawn, past the tick, and the bar says by how much all of them together
+    are over. A segment's number is drawn only where it fits inside the segment as drawn (the axis
+    spans the widest bar, however far past the budget), so no number sits on the axis or on a
+    neighbour; it sits on a patch of its segment's colour, so neither the grid (drawn behind the
+    bars) nor the budget tick runs through it. A part too thin to see says so in the legend.
     """
     named = [("", budget)] if isinstance(budget, Budget) else list(budget)
     fig, ax = _figure(f"Memory budget at {context:,} tokens", label, "GiB", "",
                       size=(7.0, 1.4 + 0.6 * len(named)))
+    ax.set_axisbelow(True)
     widest, numbers, notes = 0.0, [], []
     for y, (_, b) in enumerate(named):
         parts, left = b.breakdown(context), 0.0
@@ -146,24 +149,27 @@ def budget_bar(budget: Budget | list[tuple[str, Budget]], context: int, label: s
             (bar,) = ax.barh(y, width, left=left, color=color, edgecolor="white", label=name)
             if width > 0:
                 text = ax.text(left + width / 2, y, f"{width:.2f}", ha="center", va="center",
-                               fontsize=8)
+                               fontsize=8, bbox=dict(boxstyle="square,pad=0.25", fc=color, lw=0))
                 numbers.append((text, bar))
             left += width
         if parts["free"] < 0:
-            notes.append(ax.text(left, y, f" over by {-parts['free'] / GIB:.2f} GiB", va="center",
-                                 color="crimson", fontsize=8))
+            notes.append(ax.text(left, y, f" over by {-parts['free'] / GIB:.2f} GiB in all",
+                                 va="center", color="crimson", fontsize=8))
         ax.plot([b.budget / GIB] * 2, [y - 0.45, y + 0.45], color="crimson", lw=1.5, label="budget")
         widest = max(widest, left, b.budget / GIB)
     ax.set_yticks(range(len(named)), [n for n, _ in named])
     ax.set_xlim(0, 1.05 * widest)
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))  # one entry per part, however many bars
-    thin = max(b.breakdown(context)["workspace"] for _, b in named)
-    if thin / GIB < widest / 200:  # under half a per cent of the axis: say so in its entry
-        unique = {(f"workspace (up to {thin / MIB:.0f} MiB, too thin to see)" if k == "workspace"
-                   else k): h for k, h in unique.items()}
-    fig.legend(unique.values(), unique.keys(), fontsize=8, ncols=len(unique),
-               loc="outside lower center")
+    thin = {}  # KV and workspace under half a per cent of the axis: their entries say so
+    for part, name, _ in _PARTS[1:3]:
+        most = max(b.breakdown(context)[part] for _, b in named)
+        if 0 < most / GIB < widest / 200:
+            up_to = "up to " * (len(named) > 1)
+            thin[name] = f"{name} ({up_to}{most / MIB:.0f} MiB, too thin to see)"
+    unique = {thin.get(k, k): h for k, h in unique.items()}
+    fig.legend(unique.values(), unique.keys(), fontsize=8, loc="outside lower center",
+               ncols=len(unique) if len(thin) < 2 else 3)  # two long entries: two rows
     _fit_bar_texts(fig, ax, numbers, notes)
     return fig
 
