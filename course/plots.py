@@ -33,25 +33,25 @@ GPU_FOLDERS = (FIGURES, FIGURES / "h200")
 
 
 def figure(title: str, label: str | None = None, xlabel: str = "", ylabel: str = "",
-           size=(7.0, 4.0), panels: int = 1, **subplots):
+           size=(7.0, 4.0), panels: int = 1, rows: int = 1, **subplots):
     """The course's one figure: a bold title; the run's label small under it (one panel) or along
     the foot (several), wrapped to the figure's width (about 15 characters an inch at 8 points) so
-    that it is never clipped; ``panels`` axes side by side, each gridded, open at the top and right.
-    ``(fig, ax)``, or ``(fig, [ax, ...])`` for several panels."""
+    that it is never clipped; ``panels`` axes side by side (in ``rows`` rows), each gridded, open at
+    the top and right. ``(fig, ax)``, or ``(fig, [ax, ...])`` for several panels."""
     fig = Figure(figsize=size, layout="constrained")
     fig.suptitle(title, fontweight="bold")
-    axes = list(fig.subplots(1, panels, squeeze=False, **subplots)[0])
+    axes = list(fig.subplots(rows, panels, squeeze=False, **subplots).flat)
     for ax in axes:
         ax.set(xlabel=xlabel, ylabel=ylabel)
         ax.grid(alpha=0.3)
         ax.spines[["top", "right"]].set_visible(False)
     if label:
         shown = textwrap.fill(label, int(15 * size[0]))
-        if panels == 1:
+        if len(axes) == 1:
             axes[0].set_title(shown, fontsize=8, color="0.35")
         else:
             fig.supxlabel(shown, fontsize=8, color="0.35")
-    return fig, axes[0] if panels == 1 else axes
+    return fig, axes[0] if len(axes) == 1 else axes
 
 
 def _finish(fig: Figure, ax, **legend) -> Figure:
