@@ -210,7 +210,7 @@ def gather_bytes(config, n: int, block: int = 16, itemsize: int = 4) -> int:
 
 
 def filled(model, kind: str, n: int, block: int = 16):
-    """A slab or paged cache holding ``n`` slots (zeros) with room for slot n, which a step writes."""
+    """A slab or paged cache holding ``n`` slots (zeros), room for slot n, which a step writes."""
     config, device, dtype = model.config, model.device, model.dtype
     cache = (KVCache.for_model(config, n + 1, device=device, dtype=dtype) if kind == "slab" else
              PagedCache(BlockPool.for_model(config, -(-(n + 1) // block), block, device=device,
