@@ -9,7 +9,6 @@ of eager, static and graph decode.
 
 import re
 import statistics
-import textwrap
 
 import torch
 from matplotlib.figure import Figure
@@ -123,10 +122,9 @@ def h200_figure(ref) -> Figure:
     config = load_config("qwen3-4b")
     xs = list(range(0, 16385, 512))
     floor = [1e3 * decode_bytes(config, torch.bfloat16, x) / ref["bandwidth"] for x in xs]
-    fig = Figure(figsize=(9, 6), layout="constrained")
-    fig.suptitle("Qwen3-4B decode on the H200: the graph step far above the bytes' floor",
-                 fontweight="bold")
-    ax = fig.add_subplot()
+    title = ref["label"].replace("expandable segments off · ", "")
+    fig, ax = plots.figure("Qwen3-4B decode on the H200: the graph step far above the bytes' floor",
+                           title, "context (slots attended)", "ms per token", size=(9, 6))
     ax.plot(xs, floor, color="0.3", ls="--",
             label=f"bytes floor: weights + KV at the measured bandwidth, "
                   f"+{ref['floor_us_per_slot']:.3f} µs per slot")
@@ -152,12 +150,8 @@ def h200_figure(ref) -> Figure:
     ax.plot(list(guess), list(guess.values()), "o", mfc="none", color="tab:green",
             label=f"PREDICTION: kvlib's split-KV graph step ({after:,} kernels), "
                   "estimated (section 6)")
-    ax.set(xlabel="context (slots attended)", ylabel="ms per token", ylim=(0, None))
-    ax.grid(alpha=0.3)
-    ax.spines[["top", "right"]].set_visible(False)
+    ax.set_ylim(bottom=0)
     fig.legend(fontsize=8, loc="outside lower center", ncols=1, frameon=False)
-    title = ref["label"].replace("expandable segments off · ", "")
-    ax.set_title(textwrap.fill(title, 120), fontsize=7, color="0.35")
     plots.save(fig, "nb05_h200_gap", label=title,
                data={**{k: v for k, v in ref.items() if k != "label"},
                      "prediction_ms": {str(c): v for c, v in guess.items()}})

@@ -52,10 +52,8 @@ def cards_table(config, window: int) -> dict:
 def cards_figure(table: dict, window: int, label: str) -> Figure:
     """Two panels, one row per card, prealloc against cat: each cache's longest context (the plan,
     capped at the model's window) and its tokens/s ceiling there. ``table``: ``cards_table``."""
-    fig = Figure(figsize=(9.0, 4.2), layout="constrained")
-    fig.suptitle("Qwen3-4B on each card: how long a conversation, how fast at most",
-                 fontweight="bold")
-    left, right = fig.subplots(1, 2, sharey=True)
+    fig, (left, right) = plots.figure("Qwen3-4B on each card: how long a conversation, how fast "
+                                      "at most", label, size=(9.0, 4.2), panels=2, sharey=True)
     names = list(table)
     for j, cache in enumerate(CACHES):
         ys = [i + (j - 0.5) * 0.4 for i in range(len(names))]
@@ -76,10 +74,8 @@ def cards_figure(table: dict, window: int, label: str) -> Figure:
     right.margins(x=0.12)
     left.invert_yaxis()
     for ax in (left, right):
-        ax.grid(axis="x", alpha=0.3)
-        ax.spines[["top", "right"]].set_visible(False)
+        ax.grid(False, axis="y")
     right.legend(fontsize=9, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False)
-    fig.supxlabel(textwrap.fill(label, 120), fontsize=8, color="0.35")
     return fig
 
 
