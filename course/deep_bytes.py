@@ -20,7 +20,7 @@ from kvlib.budget import meta_model
 from kvlib.config import GIB, kv_bytes, kv_bytes_per_token, load_config
 from kvlib.quant_cache import kv_format_bytes
 
-from . import plots
+from . import plots, say
 from .nb08 import chunk_logits
 
 __all__ = ["formats", "formats_figure", "long_text", "stream", "stream_figure", "stream_reference"]
@@ -170,7 +170,7 @@ def stream_reference(directory=plots.FIGURES) -> Image:
     line per cache (perplexity from the full window to the model's last position, and past it),
     and its figure."""
     data, label = plots.load("deep_bytes_stream", directory)
-    print(f"reference run: {label}")
+    say(f"reference run: {label}")
     for name, (within, past) in data["spans"].items():
         print(f"{name:>44}: {within:6.2f} from {data['window']:,} to {data['trained']:,}"
               + ("" if past is None else f", {past:9.2f} past {data['trained']:,}"))

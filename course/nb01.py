@@ -20,7 +20,7 @@ import kvlib
 from kvlib.bandwidth import decode_bytes, measure_bandwidth
 from kvlib.timing import StepTimer, time_fn
 
-from . import plots
+from . import plots, say
 from .rounds import disturbed, flag_label, report, rounds, timed
 
 
@@ -185,7 +185,7 @@ def answer(name: str = "nb01_cumulative_time") -> Image:
     """The committed reference figure the notebook opens with, and its totals, with its label."""
     data, label = plots.load(name)
     totals = [sum(data[k]) for k in ("no_cache_steps_s", "cached_steps_s")]
-    print(f"REFERENCE, figures/{name}.png ({label}): {data['n_tokens']:,} tokens, no cache "
+    say(f"REFERENCE, figures/{name}.png ({label}): {data['n_tokens']:,} tokens, no cache "
           f"{totals[0]:.1f} s, with a cache {totals[1]:.1f} s")
     return Image(filename=str(plots.FIGURES / f"{name}.png"))
 
@@ -196,7 +196,7 @@ def roofs(device, dtype, size: int) -> tuple[float, float]:
     x = torch.randn(size, size, device=device, dtype=dtype)
     peak = 2 * size**3 / time_fn(lambda: x @ x, device=device, warmup=2, repeats=5).median_s
     bandwidth = measure_bandwidth(device)
-    print(f"peak {peak / 1e9:,.0f} GFLOP/s ({size}x{size} matmul, {str(dtype)[6:]}), bandwidth "
+    say(f"peak {peak / 1e9:,.0f} GFLOP/s ({size}x{size} matmul, {str(dtype)[6:]}), bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s (copy): ridge at {peak / bandwidth:.1f} FLOP per byte")
     return peak, bandwidth
 

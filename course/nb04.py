@@ -155,7 +155,7 @@ def backend_table(device, dtype, heads_from, seq=256):
                 elif result == "refuses":
                     refusals.setdefault(backend, set()).add(out)
     short = lambda b: b.removesuffix("_ATTENTION")  # noqa: E731
-    print(f"{hq} query / {hkv} KV heads ({heads_from}), one query over {seq} keys, "
+    say(f"{hq} query / {hkv} KV heads ({heads_from}), one query over {seq} keys, "
           f"{str(dtype).removeprefix('torch.')}: the backends that ran each call")
     print(f"{'call':<15}" + "".join(f"{layout:<24}" for layout in LAYOUTS))
     for mode in MODES:

@@ -19,7 +19,7 @@ from kvlib.bandwidth import decode_bytes
 from kvlib.config import kv_bytes_per_token, load_config
 from kvlib.meter import decode_kernels
 
-from . import plots
+from . import plots, say
 
 __all__ = ["HostSyncs", "ShapeLog", "gpu_decode", "h200_figure", "h200_reference",
            "kernels_per_layer", "predict"]
@@ -59,7 +59,7 @@ def kernels_per_layer(name="qwen3-4b", context=8192) -> dict:
               "static, split-KV": decode_kernels(name, "static", context=context),
               "static, masked SDPA": decode_kernels(name, "static", context=context,
                                                     attention="sdpa")}
-    print(f"{name}, bf16, one decode step at {context:,} slots, kernels per layer: "
+    say(f"{name}, bf16, one decode step at {context:,} slots, kernels per layer: "
           + "; ".join(f"{what} {sum(c.values()) / layers:.1f} ({sum(c.values()):,} in all)"
                       for what, c in counts.items()))
     return {"layers": layers, **counts}
@@ -98,7 +98,7 @@ def h200_reference():
            "us_per_slot": 1e3 * per_slot_ms, "floor_us_per_slot": 1e6 * slot / bw,
            "intercept_ms": check["graph"] - per_slot_ms * ctx8,
            "weights_ms": 1e3 * decode_bytes(config, torch.bfloat16, 0) / bw}
-    print(f"{H200_LABEL}: Qwen3-4B bf16 graph step {check['graph']:.2f} ms at {ctx8:,} slots "
+    say(f"{H200_LABEL}: Qwen3-4B bf16 graph step {check['graph']:.2f} ms at {ctx8:,} slots "
           f"and {graph['graph_ms']:.2f} ms at {ctx16:,}: {ref['us_per_slot']:.2f} µs "
           f"per slot of context; reading one slot's {slot:,} B at the measured "
           f"{bw / 1e12:.2f} TB/s takes {ref['floor_us_per_slot']:.3f} µs, "
@@ -201,7 +201,7 @@ def gpu_decode(device, contexts=(2048, 8192), steps=32, bucket=256):
     """On CUDA: Qwen3-4B (random weights) in the card's dtype, ms/token of eager, static and
     graph decode at each context, one line each. Elsewhere, one line saying so."""
     if device.type != "cuda":
-        print(f"no GPU here ({device.type}): the eager, static and graph steps of Qwen3-4B are "
+        say(f"no GPU here ({device.type}): the eager, static and graph steps of Qwen3-4B are "
               f"timed when this notebook runs on one")
         return None
     dtype = kvlib.auto_dtype(device)
@@ -220,6 +220,6 @@ def gpu_decode(device, contexts=(2048, 8192), steps=32, bucket=256):
             out = kvlib.generate(model, prompt[:, c - 1:c], steps + 1, cache=cache,
                                  eos_token_id=None, step=mode, bucket=bucket, timed=True)
             times[c, mode] = 1e3 * statistics.median(out.step_s)
-        print(f"{label} · Qwen3-4B at {c:,}: " + ", ".join(
+        say(f"{label} · Qwen3-4B at {c:,}: " + ", ".join(
             f"{m} {times[c, m]:.2f}" for m in ("eager", "static", "graph")) + " ms/token")
     return times

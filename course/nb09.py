@@ -123,6 +123,14 @@ def _forward_ms(model, ids, rows: int) -> float:
     return time_fn(verify, device=model.device, warmup=1, repeats=5).ms
 
 
+def decode_rates(whole_s: list, first_s: list, tokens: int) -> list[float]:
+    """Tokens/s of the decode alone, a round's whole request less the median prefill and first
+    token: one slow first token cannot leave a near-zero time to divide by. A round no longer than
+    that median has no decode time to read and is left out (all of them: ``[0.0]``)."""
+    first = statistics.median(first_s)
+    return [(tokens - 1) / (t - first) for t in whole_s if t > first] or [0.0]
+
+
 def lookup(model, tasks: dict, new_tokens: int, k: int, rounds_n: int = 5) -> dict:
     """Per task, plain greedy and prompt lookup (``k`` guesses) timed in rounds
     (:mod:`course.rounds`) with the prefill and first token alone: tokens per second over the
@@ -140,10 +148,9 @@ def lookup(model, tasks: dict, new_tokens: int, k: int, rounds_n: int = 5) -> di
             return time.perf_counter() - start
 
         times = rounds({mode: partial(run, mode) for mode in modes}, rounds_n)
-        g, n, first = gens["lookup"], len(gens["lookup"].tokens), statistics.median(times["first"])
+        g, n = gens["lookup"], len(gens["lookup"].tokens)
         tps = {mode: [n / t for t in times[mode]] for mode in ("plain", "lookup")}
-        # a round faster than the median first token has no decode time left to divide by
-        decode = {mode: [(n - 1) / (t - first) for t in times[mode] if t > first] or [0.0]
+        decode = {mode: decode_rates(times[mode], times["first"], n)
                   for mode in ("plain", "lookup")}
         ms = {rows: _forward_ms(model, ids, rows) for rows in (1, k + 1)}
         out[name] = {"plain": tps["plain"], "lookup": tps["lookup"], "tokens": n,
