@@ -6,7 +6,9 @@ figure where there is one. The notebook keeps what it teaches (the dtype rule, t
 numbers, the ``AllocMeter``, the bytes of one token, the plan, the simulated card).
 """
 
+import statistics
 import time
+from functools import partial
 
 import torch
 from matplotlib.figure import Figure
@@ -17,7 +19,7 @@ from kvlib.config import GIB, MIB, load_config
 from kvlib.timing import time_fn
 
 from . import plots, say
-from .rounds import FLAG, SPREAD
+from .rounds import FLAG, SPREAD, rounds, timed
 
 REFERENCE = "REFERENCE, not this run"
 COMPUTED = "computed from the shipped configs (kvlib.budget.plan_budget), the same on every device"
@@ -60,9 +62,10 @@ def warmup(fn, device, label: str, calls: int = 12) -> Figure:
     return fig
 
 
-def clocks(fn, device, rounds: int = 15) -> None:
-    """The same call timed three ways, taking turns: ``perf_counter`` alone, ``perf_counter``
-    after a synchronise, and ``time_fn``. On a GPU the first times only the queueing."""
+def clocks(fn, device, rounds_n: int = 15) -> None:
+    """The same call timed three ways, taking turns in rounds (:mod:`course.rounds`):
+    ``perf_counter`` alone, ``perf_counter`` after a synchronise, and ``time_fn``. On a GPU the
+    first times only the queueing."""
     gpu = torch.device(device).type == "cuda"
 
     def host(sync):
@@ -74,16 +77,12 @@ def clocks(fn, device, rounds: int = 15) -> None:
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
-    samples = {"no sync": [], "sync": [], "time_fn": []}
-    fn()
-    for _ in range(rounds):
-        samples["no sync"].append(host(False))
-        samples["sync"].append(host(True))
-        samples["time_fn"].append(time_fn(fn, device=device, warmup=0, repeats=1).median_s)
-    med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in samples.items()}
-    say(f"medians of {rounds}: perf_counter alone {med['no sync']:.3f} ms, with a synchronise "
-          f"{med['sync']:.3f} ms, time_fn {med['time_fn']:.3f} ms"
-          + ("" if gpu else " (a CPU call is synchronous: the three time the same work)"))
+    samples = rounds({"no sync": partial(host, False), "sync": partial(host, True),
+                      "time_fn": timed(fn, device)}, rounds_n, warmup=1)
+    med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    say(f"medians of {rounds_n}: perf_counter alone {med['no sync']:.3f} ms, with a synchronise "
+        f"{med['sync']:.3f} ms, time_fn {med['time_fn']:.3f} ms"
+        + ("" if gpu else " (a CPU call is synchronous: the three time the same work)"))
 
 
 def held_back() -> None:

@@ -19,10 +19,9 @@ from kvlib.config import kv_heads
 from kvlib.kv_cache import KVCache
 from kvlib.meter import fill
 from kvlib.paged_cache import BlockPool, OutOfBlocks, PagedCache
-from kvlib.timing import time_fn
 
 from . import plots
-from .rounds import disturbed, flag_label, rounds, timed
+from .rounds import disturbed, flag_label, flag_line, rounds, timed
 
 TRACE = (Path(__file__).resolve().parents[1] / "notebooks" / "data"
          / "azure_llm_conv_2023_sample.csv")
@@ -106,7 +105,7 @@ def waste_figure(reserved_used: dict, requests: int, label: str) -> Figure:
 def in_place_kernels(device, pages: int = 256, block: int = 16, context: int = 1000) -> list[str]:
     """Attention of one query over a ``context``-token request in a pool of ``pages`` blocks, three
     ways: kvlib's gather + SDPA, eager FlexAttention in place (compiled: minutes on a CPU), and
-    ``varlen_attn`` with a block table. One line each: same result, ms (median of 5), or why not."""
+    ``varlen_attn`` with a block table. One line each: same result, ms (in rounds), or why not."""
     from torch.nn.attention.experimental._paged_attention import PagedAttention
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     from torch.nn.attention.varlen import varlen_attn
@@ -130,19 +129,18 @@ def in_place_kernels(device, pages: int = 256, block: int = 16, context: int = 1
         out = F.scaled_dot_product_attention(q.view(1, hkv, hq // hkv, d), ks, vs)
         return out.view(1, hq, 1, d)
 
-    def ms(fn):
-        return time_fn(fn, device=device, warmup=1, repeats=5).ms
-
-    want = gather_sdpa()
-    gathered = ms(gather_sdpa)
-    lines = [f"gather + SDPA: {gathered:.2f} ms, copies "
-             f"{2 * hkv * len(table) * block * d * 4:,} B per call"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager flex warns that it builds the whole score matrix
         flex = partial(flex_attention, q, k, v, block_mask=mask, enable_gqa=True)
-        same, took = torch.allclose(flex(), want, atol=1e-5), ms(flex)
-        lines.append(f"FlexAttention, eager, in place: same result {same}, {took:.2f} ms "
-                     f"({took / gathered:.1f}x the gather)")
+        same = torch.allclose(flex(), gather_sdpa(), atol=1e-5)
+        ms = rounds({way: timed(fn, device, repeats=5, warmup=1)
+                     for way, fn in (("gather", gather_sdpa), ("flex", flex))}, 3)
+    gathered, took = (1e3 * statistics.median(ms[way]) for way in ("gather", "flex"))
+    lines = [f"gather + SDPA: {gathered:.2f} ms, copies "
+             f"{2 * hkv * len(table) * block * d * 4:,} B per call",
+             flag_line(f"FlexAttention, eager, in place: same result {same}, {took:.2f} ms "
+                       f"({took / gathered:.1f}x the gather; medians of 3 rounds)",
+                       disturbed({f"{w} (ms)": [x * 1e3 for x in v] for w, v in ms.items()}))]
     if torch.device(device).type != "cuda":
         return [*lines, "varlen_attn with a block_table: needs CUDA (FlashAttention); skipped here"]
     try:
