@@ -20,7 +20,7 @@ from kvlib.kv_cache import KVCache
 from kvlib.meter import fill
 from kvlib.paged_cache import BlockPool, OutOfBlocks, PagedCache
 
-from . import plots
+from . import plots, wrapped
 from .rounds import disturbed, flag_label, flag_line, rounds, timed
 
 TRACE = (Path(__file__).resolve().parents[1] / "notebooks" / "data"
@@ -142,7 +142,8 @@ def in_place_kernels(device, pages: int = 256, block: int = 16, context: int = 1
                        f"({took / gathered:.1f}x the gather; medians of 3 rounds)",
                        disturbed({f"{w} (ms)": [x * 1e3 for x in v] for w, v in ms.items()}))]
     if torch.device(device).type != "cuda":
-        return [*lines, "varlen_attn with a block_table: needs CUDA (FlashAttention); skipped here"]
+        lines.append("varlen_attn with a block_table: needs CUDA (FlashAttention); skipped here")
+        return [wrapped(line) for line in lines]
     try:
         pool_k = k[0].view(hkv, pages, block, d).permute(1, 2, 0, 3)  # [pages, block, H, D]
         varlen_attn(q[0].transpose(0, 1), pool_k, pool_k,
@@ -151,7 +152,7 @@ def in_place_kernels(device, pages: int = 256, block: int = 16, context: int = 1
         lines.append("varlen_attn with a block_table: ran")
     except Exception as err:
         lines.append(f"varlen_attn with a block_table: {type(err).__name__}: {str(err)[:120]}")
-    return lines
+    return [wrapped(line) for line in lines]
 
 
 def batch_throughput(model, prompt, batches=(1, 2, 4, 8, 16), steps: int = BATCH_STEPS,
