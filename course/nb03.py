@@ -20,7 +20,7 @@ from kvlib.memory import allocator_budget, free
 from kvlib.simulate import simulate
 
 from . import plots, say
-from .nb02 import H200, card_run
+from .nb02 import H200, big_card, card_run  # noqa: F401 (big_card: the notebook's lab.big_card)
 from .rounds import disturbed, report, rounds
 
 COLORS = plots.CACHE_COLORS
