@@ -15,6 +15,7 @@ import argparse
 import json
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,12 +33,13 @@ from kvlib.env import default_device, describe, label, resolve
 from kvlib.kv_cache import KVCache
 from kvlib.loop import generate
 from kvlib.memory import allocator_budget, cap_memory, free, largest, memory_stats
-from kvlib.meter import cache_bytes_per_step
+from kvlib.meter import AllocMeter, MeteredCache, fill
 from kvlib.models import load_model
 from kvlib.timing import StepTimer
 
 from . import plots
 from .memory_trace import MemoryTrace
+from .rounds import rounds
 
 CACHES = ("prealloc", "cat", "hf_dynamic", "hf_static")
 METERED = ("prealloc", "cat")  # kvlib's own caches: the meter can split their bytes out
@@ -57,13 +59,13 @@ class _Clock(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-
 def hf_static_cache(model, max_cache_len: int) -> dict:
     """``generate`` keyword arguments for a ``StaticCache`` of exactly ``max_cache_len`` slots
     (``cache_implementation="static"`` never sizes a cache below the largest before it)."""
     new = version.parse(transformers.__version__) >= version.parse("5.24")
     cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
     return {"cache" if new else "past_key_values": cache}
+
 
 def ms_per_token(model, prompt, kind: str, steps: int, chunk: int) -> float:
     """Median decode-step time, in ms, after ``prompt``: the prefill is not counted."""
@@ -82,6 +84,19 @@ def ms_per_token(model, prompt, kind: str, steps: int, chunk: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def cache_bytes_per_step(model, context: int, kind: str) -> int:
+    """Bytes the cache allocates in the decode step that writes slot ``context``, after
+    ``context`` slots of zeros: what a step allocates depends on how much the cache holds."""
+    config, device, dtype = model.config, model.device, model.dtype
+    cache = (KVCache.for_model(config, context + 1, device=device, dtype=dtype)
+             if kind == "prealloc" else CatCache.for_model(config, device=device, dtype=dtype))
+    fill(cache, context)
+    with AllocMeter() as meter:
+        forward(model, torch.zeros(1, 1, dtype=torch.long, device=device),
+                MeteredCache(cache, meter), context)
+    return meter.by_region.get("cache", 0)
+
+
 def _runs(model, kind: str, n: int, chunk: int) -> dict:
     """Does a chunked prefill of ``n - 1`` tokens and a decode step (``n`` slots) fit in memory?
 
@@ -98,12 +113,9 @@ def _runs(model, kind: str, n: int, chunk: int) -> dict:
             cache = KVCache.for_model(config, n, device=device, dtype=dtype)
         else:
             cache = CatCache.for_model(config, device=device, dtype=dtype)
-        for start in range(0, n - 1 - last, chunk) if kind == "cat" else ():
-            zeros = torch.zeros(min(chunk, n - 1 - last - start), cache.n_kv_heads,
-                                cache.head_dim, device=device, dtype=dtype)
-            for layer in range(cache.n_layers):
-                cache.write(layer, start, zeros, zeros)
-            grown.append({"tokens": start + len(zeros), **memory_stats(device)})
+        for end in range(chunk, n - 1 - last + chunk, chunk) if kind == "cat" else ():
+            fill(cache, min(end, n - 1 - last))
+            grown.append({"tokens": cache.seq_len, **memory_stats(device)})
         ids = torch.zeros(1, max(last, 1), dtype=torch.long, device=device)
         if last:
             forward(model, ids, cache, n - 1 - last)
@@ -148,12 +160,12 @@ def longest_context(model, budget: int, chunk: int) -> dict:
     return out
 
 
-def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=None, rounds=5,
+def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=None, rounds_n=5,
         progress=True) -> dict:
     """Everything above for one model on one device; returns the results dict printed as JSON.
 
-    Each context is timed in ``rounds`` rounds, the caches in a rotated order each round, so load
-    on the machine hits every cache alike. A cache's ``ms_per_token`` is the median of its rounds
+    Each context is timed in ``rounds_n`` rounds (:mod:`course.rounds`), so load on the machine
+    hits every cache alike. A cache's ``ms_per_token`` is the median of its rounds
     and ``spread_ms`` their (min, max): two caches differ only where their spreads do not overlap.
     """
     device = resolve(device)
@@ -169,22 +181,19 @@ def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=
         "device": describe(device, dtype, cap), "label": label(device, dtype, cap),
         "model": model_name, "dtype": str(dtype).removeprefix("torch."),
         "budget_gib": budget_gib if cap.active else None,
-        "cap": cap.note, "contexts": contexts, "steps": steps, "rounds": rounds,
+        "cap": cap.note, "contexts": contexts, "steps": steps, "rounds": rounds_n,
         # every per-context list below is aligned with "contexts"; None = not measured (OOM)
         "caches": {k: {"ms_per_token": [], "rounds_ms": []}
                    | ({"cache_bytes_per_step": []} if k in METERED else {}) for k in CACHES},
     }
-    jobs = [(c, r) for c in contexts for r in range(rounds)]
-    for c, r in tqdm(jobs, desc="decode", file=sys.stderr, disable=not progress):
-        for k in CACHES if r == 0 else ():
-            res["caches"][k]["rounds_ms"].append([])
-        for k in CACHES[r % len(CACHES):] + CACHES[:r % len(CACHES)]:
-            free(device)
-            try:  # an OOM is recorded as missing, never guessed
-                ms = ms_per_token(model, prompt[:, :c], k, steps, chunk)
-                res["caches"][k]["rounds_ms"][-1].append(ms)
-            except torch.OutOfMemoryError:
-                pass
+    def timed(k, c):  # an OOM is recorded as missing, never guessed (course.rounds skips it)
+        free(device)
+        return ms_per_token(model, prompt[:, :c], k, steps, chunk)
+
+    for c in tqdm(contexts, desc="decode", file=sys.stderr, disable=not progress):
+        ms = rounds({k: partial(timed, k, c) for k in CACHES}, rounds_n)
+        for k, v in ms.items():
+            res["caches"][k]["rounds_ms"].append(v)
     for k, v in res["caches"].items():
         v["ms_per_token"] = [statistics.median(ms) if ms else None for ms in v["rounds_ms"]]
         v["spread_ms"] = [(min(ms), max(ms)) if ms else None for ms in v["rounds_ms"]]
@@ -297,7 +306,7 @@ def main(argv=None) -> None:
     hf_logging.set_verbosity_error()
     device = torch.device(a.device or default_device())
     model = a.model or ("random:qwen3-4b" if device.type == "cuda" else "smollm2-135m")
-    quick = dict(contexts=[64, 256], steps=3, rounds=1) if a.quick else {}
+    quick = dict(contexts=[64, 256], steps=3, rounds_n=1) if a.quick else {}
     res = run(model, device, a.budget_gib, **quick)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ from kvlib.budget import meta_model
 from kvlib.config import GIB, kv_bytes, kv_bytes_per_token, load_config
 from kvlib.quant_cache import kv_format_bytes
 
-from . import plots
+from . import plots, say
 from .nb08 import chunk_logits
 
 __all__ = ["formats", "formats_figure", "long_text", "stream", "stream_figure", "stream_reference"]
@@ -77,11 +77,8 @@ def formats(context: int = 32_768, budget: int = 12 * GIB, window: int = 1_020,
 
 def formats_figure(rows: list[dict], context: int, label: str) -> Figure:
     """KV bytes per token of a ``context``-token sequence, each way of saving them on one chart."""
-    fig = Figure(figsize=(7.5, 3.8), layout="constrained")
-    fig.suptitle(f"KV bytes per token of a {context:,}-token sequence (its cache / {context:,})",
-                 fontweight="bold")
-    ax = fig.add_subplot()
-    ax.set_title(label, fontsize=8, color="0.35")
+    fig, ax = plots.figure(f"KV bytes per token of a {context:,}-token sequence (its cache / "
+                           f"{context:,})", label, "KiB per token (log scale)", size=(7.5, 3.8))
     names = [f"{r['name']}: {r['how']}" for r in rows]
     ax.barh(range(len(rows)), [r["per_token"] / KIB for r in rows],
             color=[THREADS[r["thread"]] for r in rows])
@@ -91,8 +88,7 @@ def formats_figure(rows: list[dict], context: int, label: str) -> Figure:
     ax.invert_yaxis()
     ax.set_xscale("log")  # 4 KiB to 512 KiB: every bar readable
     ax.set_xlim(1, 3 * max(r["per_token"] for r in rows) / KIB)
-    ax.set_xlabel("KiB per token (log scale)")
-    ax.grid(alpha=0.3, axis="x")
+    ax.grid(False, axis="y")
     for thread, color in THREADS.items():
         ax.barh([0], [0], color=color, label=thread)
     ax.legend(fontsize=8, loc="lower right")
@@ -155,7 +151,7 @@ def stream_figure(runs: dict, label: str, trained: int, window: int, bucket: int
 def draw_stream(data: dict, label: str, directory=None) -> Figure:
     """The stream figure from its saved numbers (:func:`stream_figure`'s JSON)."""
     bucket, trained = data["bucket"], data["trained"]
-    fig, ax = plots._figure(f"A stream past the model's {trained:,} positions: perplexity every "
+    fig, ax = plots.figure(f"A stream past the model's {trained:,} positions: perplexity every "
                             f"{bucket} tokens", label, "position in the stream", "perplexity",
                             size=(7.5, 4.6))
     for name, series in data["perplexity"].items():
@@ -174,7 +170,7 @@ def stream_reference(directory=plots.FIGURES) -> Image:
     line per cache (perplexity from the full window to the model's last position, and past it),
     and its figure."""
     data, label = plots.load("deep_bytes_stream", directory)
-    print(f"reference run: {label}")
+    say(f"reference run: {label}")
     for name, (within, past) in data["spans"].items():
         print(f"{name:>44}: {within:6.2f} from {data['window']:,} to {data['trained']:,}"
               + ("" if past is None else f", {past:9.2f} past {data['trained']:,}"))

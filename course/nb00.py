@@ -6,7 +6,9 @@ figure where there is one. The notebook keeps what it teaches (the dtype rule, t
 numbers, the ``AllocMeter``, the bytes of one token, the plan, the simulated card).
 """
 
+import statistics
 import time
+from functools import partial
 
 import torch
 from matplotlib.figure import Figure
@@ -16,7 +18,8 @@ from kvlib.budget import plan_budget
 from kvlib.config import GIB, MIB, load_config
 from kvlib.timing import time_fn
 
-from . import plots
+from . import plots, say
+from .rounds import FLAG, SPREAD, rounds, timed
 
 REFERENCE = "REFERENCE, not this run"
 COMPUTED = "computed from the shipped configs (kvlib.budget.plan_budget), the same on every device"
@@ -33,24 +36,20 @@ def warmup(fn, device, label: str, calls: int = 12) -> Figure:
     warm = time_fn(fn, device=device, warmup=2, repeats=calls)
     slow = 1.1 * warm.p90_s
     above = sum(s > slow for s in cold.samples_s)
-    busy = warm.p90_s > 1.5 * warm.median_s
-    shown = f"{label} · disturbed run: the warm calls scattered" if busy else label
-    fig = Figure(figsize=(9.5, 3.8), layout="constrained")
-    fig.suptitle("Timing one call: cold calls and warmed-up calls", fontweight="bold")
-    ax = fig.add_subplot()
-    ax.set_title(shown, fontsize=8, color="0.35")
+    busy = warm.p90_s > SPREAD * warm.median_s
+    shown = f"{label} · {FLAG}: the warm calls scattered" if busy else label
+    fig, ax = plots.figure("Timing one call: cold calls and warmed-up calls", shown, "call number",
+                           "ms per call (log scale)", size=(9.5, 3.8))
     n = range(1, calls + 1)
     ax.plot(n, [s * 1e3 for s in cold.samples_s], "o-", label="no warm-up (cold run)")
     ax.plot(n, [s * 1e3 for s in warm.samples_s], "s-", label="after 2 warm-up calls")
     ax.axhspan(warm.p10_s * 1e3, warm.p90_s * 1e3, color="tab:orange", alpha=0.15,
                label="warm p10–p90")
     ax.axhline(slow * 1e3, color="0.3", lw=1, ls=":", label="warm p90 + 10%: above it, slow")
-    ax.set(xlabel="call number", ylabel="ms per call (log scale)", yscale="log")
+    ax.set(yscale="log")
     ax.yaxis.set_major_locator(LogLocator(subs=(1, 1.5, 2, 3, 5, 7)))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_formatter(NullFormatter())
-    ax.grid(alpha=0.3)
-    ax.spines[["top", "right"]].set_visible(False)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     plots.save(fig, "nb00_timing_warmup", label=shown,
                data={"cold_s": cold.samples_s, "warm_s": warm.samples_s})
@@ -58,14 +57,15 @@ def warmup(fn, device, label: str, calls: int = 12) -> Figure:
     verdict = ("the warm calls scattered (another program shared the machine): no start-up "
                "cost read" if busy
                else f"{above} of {calls} cold calls above the dotted line (warm p90 + 10%)")
-    print(f"first call {cold.samples_s[0] * 1e3:.3f} ms, {first:.1f}x the cold calls after it; "
+    say(f"first call {cold.samples_s[0] * 1e3:.3f} ms, {first:.1f}x the cold calls after it; "
           f"time_fn after 2 warm-ups: {warm}; {verdict}")
     return fig
 
 
-def clocks(fn, device, rounds: int = 15) -> None:
-    """The same call timed three ways, taking turns: ``perf_counter`` alone, ``perf_counter``
-    after a synchronise, and ``time_fn``. On a GPU the first times only the queueing."""
+def clocks(fn, device, rounds_n: int = 15) -> None:
+    """The same call timed three ways, taking turns in rounds (:mod:`course.rounds`):
+    ``perf_counter`` alone, ``perf_counter`` after a synchronise, and ``time_fn``. On a GPU the
+    first times only the queueing."""
     gpu = torch.device(device).type == "cuda"
 
     def host(sync):
@@ -77,16 +77,12 @@ def clocks(fn, device, rounds: int = 15) -> None:
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
-    samples = {"no sync": [], "sync": [], "time_fn": []}
-    fn()
-    for _ in range(rounds):
-        samples["no sync"].append(host(False))
-        samples["sync"].append(host(True))
-        samples["time_fn"].append(time_fn(fn, device=device, warmup=0, repeats=1).median_s)
-    med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in samples.items()}
-    print(f"medians of {rounds}: perf_counter alone {med['no sync']:.3f} ms, with a synchronise "
-          f"{med['sync']:.3f} ms, time_fn {med['time_fn']:.3f} ms"
-          + ("" if gpu else " (a CPU call is synchronous: the three time the same work)"))
+    samples = rounds({"no sync": partial(host, False), "sync": partial(host, True),
+                      "time_fn": timed(fn, device)}, rounds_n, warmup=1)
+    med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    say(f"medians of {rounds_n}: perf_counter alone {med['no sync']:.3f} ms, with a synchronise "
+        f"{med['sync']:.3f} ms, time_fn {med['time_fn']:.3f} ms"
+        + ("" if gpu else " (a CPU call is synchronous: the three time the same work)"))
 
 
 def held_back() -> None:
@@ -97,7 +93,7 @@ def held_back() -> None:
         return
     data, label, _ = ref
     gaps = [r["reserved"] - r["allocated"] for rows in data["rows"].values() for r in rows]
-    print(f"{REFERENCE}: {label}: reserved stayed {min(gaps) / MIB:.0f}–{max(gaps) / MIB:.0f} MiB "
+    say(f"{REFERENCE}: {label}: reserved stayed {min(gaps) / MIB:.0f}–{max(gaps) / MIB:.0f} MiB "
           f"above allocated at every decode step, for both caches ({', '.join(data['rows'])})")
 
 
@@ -111,10 +107,9 @@ def context_vs_budget(budget) -> Figure:
     series = {f"{name} {'fp32' if dt == torch.float32 else 'bf16 / fp16'}":
               [plan_budget(load_config(name), dt, g * GIB).max_context for g in gib]
               for name, dt in [(n, torch.bfloat16) for n in colors] + [("qwen3-4b", torch.float32)]}
-    fig = Figure(figsize=(7.5, 4.6), layout="constrained")
-    fig.suptitle("Longest context that fits a memory budget", fontweight="bold")
-    ax = fig.add_subplot()
-    ax.set_title(COMPUTED, fontsize=8, color="0.35")
+    fig, ax = plots.figure("Longest context that fits a memory budget", COMPUTED,
+                           "memory budget (GiB)", "longest context (thousands of tokens)",
+                           size=(7.5, 4.6))
     top = 200
     for key, contexts in series.items():
         name = key.split()[0]
@@ -136,10 +131,7 @@ def context_vs_budget(budget) -> Figure:
     ax.plot([12], [budget.max_context / 1000], "o", color="tab:blue")
     ax.annotate(f"{budget.max_context:,}", (12, budget.max_context / 1000), xytext=(-6, 6),
                 textcoords="offset points", ha="right", color="tab:blue", fontsize=8)
-    ax.set(xlabel="memory budget (GiB)", ylabel="longest context (thousands of tokens)",
-           xlim=(gib[0], gib[-1]), ylim=(0, top))
-    ax.grid(alpha=0.3)
-    ax.spines[["top", "right"]].set_visible(False)
+    ax.set(xlim=(gib[0], gib[-1]), ylim=(0, top))
     ax.legend(fontsize=8, loc="upper left")
     plots.save(fig, "nb00_context_vs_budget", data={"budget_gib": gib, **series}, label=COMPUTED)
     return fig
@@ -158,7 +150,7 @@ def h200_longest(budget) -> None:
     held = fit["allocated_before"] - budget.weights
     slack = fit["peak_reserved"] - fit["peak_allocated"]
     planned = data["arithmetic"]
-    print(f"{REFERENCE}: {label}: that run's prefill built an attention mask as long as the "
+    say(f"{REFERENCE}: {label}: that run's prefill built an attention mask as long as the "
           f"context, a larger workspace than this plan's, so its plan was {planned:,} tokens "
           f"(this one: {budget.max_context:,}); it reached {reached:,}, {reached / planned:.0%} of "
           "its plan; not in a plan: "

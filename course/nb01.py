@@ -7,7 +7,6 @@ round: other work on a shared machine only ever adds time. A run whose numbers c
 (:func:`problems`, or a fitted term below zero) is flagged once, in its line and its figure's label.
 """
 
-import gc
 from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate
@@ -21,9 +20,8 @@ import kvlib
 from kvlib.bandwidth import decode_bytes, measure_bandwidth
 from kvlib.timing import StepTimer, time_fn
 
-from . import plots
-
-FLAG = "disturbed run: not evidence"
+from . import plots, say
+from .rounds import disturbed, flag_label, report, rounds, timed
 
 
 @dataclass
@@ -38,51 +36,16 @@ class Fit:
     fig: Figure
 
 
-def _once(fn, device):
-    """Seconds one call takes; None after an out-of-memory error, reported and freed."""
-    try:
-        return time_fn(fn, device=device, warmup=0, repeats=1).median_s
-    except torch.OutOfMemoryError:
-        print(f"out of memory, {torch.cuda.memory_reserved(device) / 2**30:.2f} GiB reserved: "
-              "that size is skipped")
-        gc.collect()
-        torch.cuda.empty_cache()
-        return None
-
-
-@torch.no_grad()
-def rounds(calls: dict, device, n: int = 3) -> dict:
-    """``{key: [seconds, one per round]}``: ``n`` rounds after an unkept warm-up; OOM drops one."""
-    samples = {key: [] for key in calls}
-    for r in range(n + 1):
-        for key in [key for key in calls if key in samples]:
-            seconds = _once(calls[key], device)
-            if seconds is None:
-                del samples[key]
-            elif r:
-                samples[key].append(seconds)
-    return samples
-
-
 def problems(samples: dict, monotonic: bool = True) -> list[str]:
-    """What cannot be right in ``{size: [seconds]}``: a median round over twice the best (most
-    rounds slowed: a busy machine), or a larger size whose best beats a smaller one's by over a
+    """What cannot be right in ``{size: [seconds]}``: rounds of one size too far apart (a busy
+    machine: :mod:`course.rounds`), or a larger size whose best beats a smaller one's by over a
     quarter (more work cannot take less time)."""
-    found = [f"size {n}: rounds {min(s) * 1e3:.1f} to {max(s) * 1e3:.1f} ms"
-             for n, s in samples.items() if sorted(s)[len(s) // 2] > 2 * min(s)]
+    found = disturbed({f"size {n} (ms)": [x * 1e3 for x in s] for n, s in samples.items()})
     sizes = list(samples)
     for small, big in zip(sizes, sizes[1:]) if monotonic else ():
         if 1.25 * min(samples[big]) < min(samples[small]):
             found.append(f"size {big} ran faster than size {small}")
     return found
-
-
-def _say(line: str, found: list) -> None:  # the one printed line, flagged when disturbed
-    print(line + (f" [{FLAG}: {'; '.join(found)}]" if found else ""))
-
-
-def _label(label: str, found: list) -> str:  # the figure's label, flagged when disturbed
-    return f"{label} · {FLAG}" if found else label
 
 
 def fit(xs, ys, powers) -> list[float]:
@@ -92,12 +55,10 @@ def fit(xs, ys, powers) -> list[float]:
     return torch.linalg.lstsq(X, y).solution.squeeze(1).tolist()
 
 
-def _axes(*axes):
+def _limits(*axes):  # times and sizes start at zero
     for ax in axes:
         ax.set_xlim(left=0)
         ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.spines[["top", "right"]].set_visible(False)
         ax.legend(fontsize=8)
 
 
@@ -109,7 +70,9 @@ def _steps(model, lengths, rounds_n):
 
     def step(S):
         return model(ids[S], use_cache=False).logits[:, -1].argmax(-1)
-    return rounds({S: partial(step, S) for S in lengths}, model.device, rounds_n)
+    with torch.no_grad():
+        samples = rounds({S: timed(partial(step, S), model.device) for S in lengths}, rounds_n, 1)
+    return {S: s for S, s in samples.items() if s}  # a size out of memory in every round: dropped
 
 
 def step_times(model, lengths, label: str, rounds_n: int = 3) -> Fit:
@@ -122,24 +85,21 @@ def step_times(model, lengths, label: str, rounds_n: int = 3) -> Fit:
     found = problems(samples)
     if a < 0 or b <= 0:  # a fixed cost and a cost per token: neither can be below zero
         found.append(f"the fit gives a = {a * 1e3:.1f} ms, b = {b * 1e3:.3f} ms, not both above 0")
-    fig = Figure(figsize=(7, 4), layout="constrained")
-    fig.suptitle("One no-cache step: time against length", fontweight="bold")
-    ax = fig.add_subplot()
-    ax.set_title(_label(label, found), fontsize=8, color="0.35")
+    fig, ax = plots.figure("One no-cache step: time against length", flag_label(label, found),
+                           "S: tokens in the forward", "ms / step")
     ax.errorbar(sizes, [m * 1e3 for m in best], fmt="o", capsize=3, zorder=3,
                 yerr=[[0] * len(sizes), [(max(samples[S]) - m) * 1e3 for S, m in zip(sizes, best)]],
                 label="measured: best round, bar up to the worst")
     dense = range(0, sizes[-1] + 1, max(1, sizes[-1] // 100))
     ax.plot(dense, [(a + b * S) * 1e3 for S in dense], "--", color="0.3", label="fit: a + b·S")
-    ax.set(xlabel="S: tokens in the forward", ylabel="ms / step")
-    _axes(ax)
-    plots.save(fig, "nb01_time_per_step", label=_label(label, found), data={
+    _limits(ax)
+    plots.save(fig, "nb01_time_per_step", label=flag_label(label, found), data={
         "lengths": sizes, "samples_s": [samples[S] for S in sizes], "fit_ab": [a, b],
         "problems": found})
-    _say(f"S = {sizes[0]} to {sizes[-1]}: best step {best[0] * 1e3:.0f} to "
-         f"{best[-1] * 1e3:.0f} ms, "
-         f"{best[-1] / best[0]:.1f}x; the line a + b·S has a = {a * 1e3:.1f} ms, "
-         f"b = {b * 1e3:.3f} ms a token, and misses a length by at most {off:.0%}", found)
+    report(f"S = {sizes[0]} to {sizes[-1]}: best step {best[0] * 1e3:.0f} to "
+           f"{best[-1] * 1e3:.0f} ms, "
+           f"{best[-1] / best[0]:.1f}x; the line a + b·S has a = {a * 1e3:.1f} ms, "
+           f"b = {b * 1e3:.3f} ms a token, and misses a length by at most {off:.0%}", found)
     return Fit(sizes, samples, [a, b], found, fig)
 
 
@@ -154,33 +114,30 @@ def square_term(model, lengths, label: str, s_star: float, rounds_n: int = 3) ->
         found.append(f"the fit gives b = {b * 1e6:.3f} us, c = {c * 1e9:.4f} ns, not both above 0")
     per_token = [m / S for S, m in zip(sizes, best)]
     low = min(range(len(sizes) - 1), key=per_token.__getitem__)
-    fig = Figure(figsize=(10, 4), layout="constrained")
-    fig.suptitle("The tiny model: a no-cache step against S, and the fit a + b·S + c·S²",
-                 fontweight="bold")
-    ax1, ax2 = fig.subplots(1, 2)
+    fig, (ax1, ax2) = plots.figure("The tiny model: a no-cache step against S, and the fit "
+                                   "a + b·S + c·S²", flag_label(label, found),
+                                   "S: tokens in the forward", size=(10, 4), panels=2)
     dense = list(range(sizes[0], sizes[-1] + 1, max(1, sizes[-1] // 300)))
     ax1.plot(sizes, [m * 1e3 for m in best], "o", zorder=3, label="measured: best round")
     ax1.plot(dense, [(a + b * S + c * S * S) * 1e3 for S in dense], "--", color="0.3",
              label=f"fit: a + b·S + c·S² on S = {sizes[0]:,} to {sizes[-1]:,}")
     ax1.plot(dense, [(a + b * S) * 1e3 for S in dense], ":", color="0.5", label="its a + b·S alone")
-    ax1.set(xlabel="S: tokens in the forward", ylabel="ms / step", title="time per step")
+    ax1.set(ylabel="ms / step", title="time per step")
     ax2.plot(sizes, [p * 1e6 for p in per_token], "o-", label="measured: best round / S")
     ax2.plot(dense, [(a / S + b + c * S) * 1e6 for S in dense], "--", color="0.3", label="fit / S")
     ax2.plot(dense, [(a / S + b) * 1e6 for S in dense], ":", color="0.5",
              label="the fit without its S² term")
-    ax2.set(xlabel="S: tokens in the forward", ylabel="µs per token re-run",
-            title="time per token re-run")
-    _axes(ax1, ax2)
-    fig.supxlabel(_label(label, found), fontsize=8, color="0.35")
-    plots.save(fig, "nb01_quadratic", label=_label(label, found), data={
+    ax2.set(ylabel="µs per token re-run", title="time per token re-run")
+    _limits(ax1, ax2)
+    plots.save(fig, "nb01_quadratic", label=flag_label(label, found), data={
         "lengths": sizes, "samples_s": [samples[S] for S in sizes], "fit_abc": [a, b, c],
         "problems": found})
-    _say(f"time per token re-run: {per_token[low] * 1e6:.0f} → {per_token[-1] * 1e6:.0f} µs from "
-         f"S = {sizes[low]:,} to {sizes[-1]:,} ({per_token[-1] / per_token[low]:.1f}x); at S = "
-         f"{sizes[-1]:,} the fitted S² term is {c * sizes[-1] ** 2 / best[-1]:.0%} of the step; "
-         f"fitted crossover b / c = {f'{b / c:,.0f}' if b > 0 and c > 0 else 'none'} tokens (the "
-         f"FLOP count's S* = {s_star:,.0f}, or {2 * s_star:,.0f} if the kernel skips the upper "
-         "half)", found)
+    report(f"time per token re-run: {per_token[low] * 1e6:.0f} → {per_token[-1] * 1e6:.0f} µs "
+           f"from S = {sizes[low]:,} to {sizes[-1]:,} ({per_token[-1] / per_token[low]:.1f}x); at "
+           f"S = {sizes[-1]:,} the fitted S² term is {c * sizes[-1] ** 2 / best[-1]:.0%} of the "
+           f"step; fitted crossover b / c = {f'{b / c:,.0f}' if b > 0 and c > 0 else 'none'} "
+           f"tokens (the FLOP count's S* = {s_star:,.0f}, or {2 * s_star:,.0f} if the kernel "
+           "skips the upper half)", found)
     return Fit(sizes, samples, [a, b, c], found, fig)
 
 
@@ -202,26 +159,24 @@ def whole_generation(decode, model, n: int, coef, label: str) -> Figure:
     found = [why for bad, why in (
         (bend["no cache"] < 1, "the no-cache second half, over longer forwards, took less time"),
         (sum(with_cache) > sum(no_cache), "the loop with a cache took longer in all")) if bad]
-    fig = Figure(figsize=(10, 4), layout="constrained")
-    fig.suptitle(f"Generating {n:,} tokens from a 1-token prompt (the tiny model)",
-                 fontweight="bold")
-    ax1, ax2 = fig.subplots(1, 2)
+    fig, (ax1, ax2) = plots.figure(f"Generating {n:,} tokens from a 1-token prompt (the tiny "
+                                   "model)", flag_label(label, found), "tokens generated",
+                                   size=(10, 4), panels=2)
     steps = range(1, n + 1)
     for ax, f in ((ax1, lambda s: [x * 1e3 for x in s]), (ax2, lambda s: list(accumulate(s)))):
         ax.plot(steps, f(no_cache), color="tab:red", lw=0.8, label="no cache (re-run the prefix)")
         ax.plot(steps, f(predicted), "--", color="0.3", label="predicted: the fit a + b·S + c·S²")
         ax.plot(steps, f(with_cache), color="tab:blue", lw=0.8, label="kvlib.generate (a cache)")
-    ax1.set(xlabel="tokens generated", ylabel="ms for this token", title="each step")
-    ax2.set(xlabel="tokens generated", ylabel="seconds", title="cumulative")
-    _axes(ax1, ax2)
-    fig.supxlabel(_label(label, found), fontsize=8, color="0.35")
-    plots.save(fig, "nb01_cumulative_time", label=_label(label, found), data={
+    ax1.set(ylabel="ms for this token", title="each step")
+    ax2.set(ylabel="seconds", title="cumulative")
+    _limits(ax1, ax2)
+    plots.save(fig, "nb01_cumulative_time", label=flag_label(label, found), data={
         "n_tokens": n, "no_cache_steps_s": no_cache, "cached_steps_s": with_cache,
         "fit_abc": list(coef), "problems": found})
-    _say(f"{n:,} tokens: no cache {sum(no_cache):.1f} s (the fit predicted {sum(predicted):.1f} "
-         f"s), with a cache {sum(with_cache):.1f} s; second half over first: no cache "
-         f"{bend['no cache']:.1f}x, with a cache {bend['cache']:.1f}x; same tokens: "
-         + next((f"the first {i:,}, then they part" for i, (x, y) in
+    report(f"{n:,} tokens: no cache {sum(no_cache):.1f} s (the fit predicted "
+           f"{sum(predicted):.1f} s), with a cache {sum(with_cache):.1f} s; second half over "
+           f"first: no cache {bend['no cache']:.1f}x, with a cache {bend['cache']:.1f}x; same "
+           "tokens: " + next((f"the first {i:,}, then they part" for i, (x, y) in
                  enumerate(zip(cached.tokens, no_cache_tokens)) if x != y), f"all {n:,}"), found)
     return fig
 
@@ -230,7 +185,7 @@ def answer(name: str = "nb01_cumulative_time") -> Image:
     """The committed reference figure the notebook opens with, and its totals, with its label."""
     data, label = plots.load(name)
     totals = [sum(data[k]) for k in ("no_cache_steps_s", "cached_steps_s")]
-    print(f"REFERENCE, figures/{name}.png ({label}): {data['n_tokens']:,} tokens, no cache "
+    say(f"REFERENCE, figures/{name}.png ({label}): {data['n_tokens']:,} tokens, no cache "
           f"{totals[0]:.1f} s, with a cache {totals[1]:.1f} s")
     return Image(filename=str(plots.FIGURES / f"{name}.png"))
 
@@ -241,7 +196,7 @@ def roofs(device, dtype, size: int) -> tuple[float, float]:
     x = torch.randn(size, size, device=device, dtype=dtype)
     peak = 2 * size**3 / time_fn(lambda: x @ x, device=device, warmup=2, repeats=5).median_s
     bandwidth = measure_bandwidth(device)
-    print(f"peak {peak / 1e9:,.0f} GFLOP/s ({size}x{size} matmul, {str(dtype)[6:]}), bandwidth "
+    say(f"peak {peak / 1e9:,.0f} GFLOP/s ({size}x{size} matmul, {str(dtype)[6:]}), bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s (copy): ridge at {peak / bandwidth:.1f} FLOP per byte")
     return peak, bandwidth
 
@@ -254,7 +209,9 @@ def roofline(model, ns, peak: float, bandwidth: float, flops, label: str) -> Fig
     cache = kvlib.KVCache.for_model(config, max(ns) + 1, device=device, dtype=dtype)
     ids = torch.randint(0, config.vocab_size, (1, max(ns) + 1),
                         generator=torch.Generator().manual_seed(2)).to(device)
-    samples = rounds({n: partial(kvlib.forward, model, ids[:, :n], cache, 0) for n in ns}, device)
+    with torch.no_grad():
+        samples = rounds({n: timed(partial(kvlib.forward, model, ids[:, :n], cache, 0), device)
+                          for n in ns}, 3, 1)
     big = max(samples)
     with torch.no_grad():
         kvlib.forward(model, ids[:, :big], cache, 0)           # fill, then decode after it
@@ -264,10 +221,9 @@ def roofline(model, ns, peak: float, bandwidth: float, flops, label: str) -> Fig
     points = {n: (flops(config, n, n) / decode_bytes(config, dtype, n),
                   flops(config, n, n) / min(s)) for n, s in samples.items()}
     ridge = peak / bandwidth
-    fig = Figure(figsize=(7, 4.4), layout="constrained")
-    fig.suptitle("Roofline: a decode step and prefills of n tokens", fontweight="bold")
-    ax = fig.add_subplot()
-    ax.set_title(_label(label, found), fontsize=8, color="0.35")
+    fig, ax = plots.figure("Roofline: a decode step and prefills of n tokens",
+                           flag_label(label, found), "arithmetic intensity (FLOP per byte moved)",
+                           "achieved GFLOP/s", size=(7, 4.4))
     xs = sorted([min(x for x, _ in points.values()) / 4, ridge,
                  4 * max(x for x, _ in points.values())])
     ax.plot(xs, [min(peak, bandwidth * x) / 1e9 for x in xs], color="0.3",
@@ -279,21 +235,19 @@ def roofline(model, ns, peak: float, bandwidth: float, flops, label: str) -> Fig
     for n, (x, r) in points.items():
         ax.annotate("decode step" if n == 1 else f"n={n}", (x, r / 1e9),
                     textcoords="offset points", xytext=(5, -10), fontsize=8)
-    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP per byte moved)",
-           ylabel="achieved GFLOP/s")
+    ax.set(xscale="log", yscale="log")
     plain = FuncFormatter(lambda v, _: f"{v:g}")
     ax.xaxis.set_major_formatter(plain), ax.yaxis.set_major_formatter(plain)
     ax.grid(alpha=0.3, which="both")
-    ax.spines[["top", "right"]].set_visible(False)
     ax.legend(fontsize=8, loc="lower right")
-    plots.save(fig, "nb01_roofline", label=_label(label, found), data={
+    plots.save(fig, "nb01_roofline", label=flag_label(label, found), data={
         "n": list(samples), "prefill_s": list(samples.values()), "peak_flops": peak,
         "bandwidth": bandwidth, "tpot_s": tpot, "problems": found})
     ttft, moved = min(samples[big]), decode_bytes(config, dtype, big + 1)
-    _say(f"TTFT of a {big}-token prompt {ttft * 1e3:.0f} ms ({ttft / big * 1e3:.2f} ms a token), "
-         f"TPOT after it {tpot * 1e3:.1f} ms: {tpot / (ttft / big):.0f}x a prefilled token; "
-         f"bytes ÷ bandwidth predicts {moved / bandwidth * 1e3:.1f} ms: the step reads at "
-         f"{moved / tpot / 1e9:.1f} GB/s, {moved / tpot / bandwidth:.0%} of the copy's; share "
-         "of the peak: " + ", ".join(f"n={n} {r / peak:.0%}" for n, (_, r) in points.items()),
-         found)
+    report(f"TTFT of a {big}-token prompt {ttft * 1e3:.0f} ms ({ttft / big * 1e3:.2f} ms a "
+           f"token), TPOT after it {tpot * 1e3:.1f} ms: {tpot / (ttft / big):.0f}x a prefilled "
+           f"token; bytes ÷ bandwidth predicts {moved / bandwidth * 1e3:.1f} ms: the step reads at "
+           f"{moved / tpot / 1e9:.1f} GB/s, {moved / tpot / bandwidth:.0%} of the copy's; share "
+           "of the peak: " + ", ".join(f"n={n} {r / peak:.0%}" for n, (_, r) in points.items()),
+           found)
     return fig

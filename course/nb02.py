@@ -18,7 +18,7 @@ from kvlib.kv_cache import KVCache
 from kvlib.memory import free, memory_stats
 from kvlib.simulate import simulate
 
-from . import plots
+from . import plots, say
 from .memory_trace import memory_snapshot
 
 H200 = "H200, allocator capped at 12 GiB"  # how a figure from figures/h200/ is named, always
@@ -69,11 +69,9 @@ def fragmentation_figure():
     x = [r["tokens"] / 1000 for r in trace]
     alloc, resv = [r["allocated"] / GIB for r in trace], [r["reserved"] / GIB for r in trace]
     gap, at = max((r["reserved"] - r["allocated"], r["tokens"]) for r in trace)
-    fig = Figure(figsize=(10, 4.6), layout="constrained")
     # The title leaves the cap to the label below it, which names it (H200, allocator capped).
-    fig.suptitle("REFERENCE (H200): a cat cache grown chunk by chunk, Qwen3-4B", fontweight="bold")
-    ax = fig.add_subplot()
-    ax.set_title(label, fontsize=8, color="0.35")
+    fig, ax = plots.figure("REFERENCE (H200): a cat cache grown chunk by chunk, Qwen3-4B", label,
+                           "thousands of tokens in the cache", "GiB", size=(10, 4.6))
     ax.plot(x, alloc, color="tab:red", label="allocated: the tensors alive")
     ax.plot(x, resv, "--", color="tab:red", label="reserved: what the allocator holds")
     ax.fill_between(x, alloc, resv, color="tab:red", alpha=0.15,
@@ -99,10 +97,7 @@ def fragmentation_figure():
     ax.text(data["cat"] / 1000 - 0.3, 6.9, f"longest under the cap: cat {data['cat']:,} tokens,\n"
             f"preallocated {data['prealloc']:,} ({lost:,} more, {lost / data['prealloc']:.0%})",
             ha="right", va="center", fontsize=11, fontweight="bold")
-    ax.set(xlabel="thousands of tokens in the cache", ylabel="GiB",
-           ylim=(6.2, top), xlim=(0, data["prealloc"] / 1000 * 1.06))
-    ax.grid(alpha=0.3)
-    ax.spines[["top", "right"]].set_visible(False)
+    ax.set(ylim=(6.2, top), xlim=(0, data["prealloc"] / 1000 * 1.06))
     ax.legend(fontsize=8, loc="lower left")
     plots.save(fig, "nb02_fragmentation", {"trace": trace, "cat": data["cat"],
                                            "prealloc": data["prealloc"]}, label)
@@ -114,12 +109,9 @@ def cat_step_figure(t: int = 6) -> Figure:
     write one, free ``t``, which is too short for the next step's ``t + 2`` unless free neighbours
     merge with it."""
     old, new = "tab:blue", "tab:orange"
-    fig = Figure(figsize=(9.5, 4.0), layout="constrained")
-    fig.suptitle(f"One decode step of a cat cache: one layer's K (V is the same), t = {t} slots "
-                 "held before it", fontweight="bold")
-    ax = fig.add_subplot()
     label = f"t = {t}: allocate {t + 1} slots, copy {t}, write 1, then free the {t}"
-    ax.set_title(label, fontsize=9, color="0.35")
+    fig, ax = plots.figure(f"One decode step of a cat cache: one layer's K (V is the same), "
+                           f"t = {t} slots held before it", label, size=(9.5, 4.0))
 
     def slots(x0, y, n, color, text=None, first=0, freed=False):  # n boxes, a freed block dashed
         for i in range(n):
@@ -159,7 +151,7 @@ def where_it_dies(qwen, card, naive: int, chunk: int = 512) -> int:
     sim = simulate(qwen, naive + 1024 + 4, cache="cat", card=card, prefill_chunk=chunk, decode=4)
     died = sim.timeline["tokens"][-1] if sim.timeline["tokens"] else 0
     where = str(sim.oom).split(":")[0].removeprefix("simulated OOM at ") if sim.oom else "nowhere"
-    print(f"simulated {card.memory / GIB:g} GiB card (exact tensor bytes; no allocator): died "
+    say(f"simulated {card.memory / GIB:g} GiB card (exact tensor bytes; no allocator): died "
           f"after {died:,} tokens, at {where} in a prefill chunk; every spare byte would hold "
           f"{naive:,}")
     return died
@@ -173,7 +165,7 @@ def reference_loss() -> None:
         return
     data = ref[0]
     lost = data["prealloc"] - data["cat"]
-    print(f"REFERENCE ({H200}): on the same card under the same cap, the cat cache held "
+    say(f"REFERENCE ({H200}): on the same card under the same cap, the cat cache held "
           f"{data['cat']:,} tokens and a preallocated cache {data['prealloc']:,}: growing by cat "
           f"cost {lost:,} tokens ({lost / data['prealloc']:.1%})")
 
@@ -222,7 +214,7 @@ def on_this_card(device, dtype, context: int, label: str) -> None:
     big = None
     free(device)
     worst = max(rows, key=lambda r: r["reserved"] - r["allocated"], default=None)
-    print(f"{label}: cat reached {rows[-1]['tokens'] if rows else 0:,} "
+    say(f"{label}: cat reached {rows[-1]['tokens'] if rows else 0:,} "
           f"tokens ({oom or 'no OOM'}); reserved above allocated up to "
           f"{(worst['reserved'] - worst['allocated']) / MIB if worst else 0:,.0f} MiB; allocator "
           f"history in {path} (drag it into https://pytorch.org/memory_viz)")

@@ -6,6 +6,7 @@ a GPU both caches run on the card. Each function is one notebook cell's call and
 
 import statistics
 import textwrap
+from functools import partial
 
 import torch
 from matplotlib.figure import Figure
@@ -18,8 +19,9 @@ from kvlib.config import GIB, MIB
 from kvlib.memory import allocator_budget, free
 from kvlib.simulate import simulate
 
-from . import plots
-from .nb02 import H200, card_run
+from . import plots, say
+from .nb02 import H200, big_card, card_run  # noqa: F401 (big_card: the notebook's lab.big_card)
+from .rounds import disturbed, report, rounds
 
 COLORS = plots.CACHE_COLORS
 
@@ -30,9 +32,8 @@ def answer_figure(qwen, card, context: int):
     sims = {kind: simulate(qwen, context, cache=kind, card=card) for kind in ("prealloc", "cat")}
     label = (f"simulated {card.memory / GIB:g} GiB card (meta device: exact tensor bytes; "
              f"no allocator) · Qwen3-4B {str(qwen.dtype).removeprefix('torch.')}")
-    fig = Figure(figsize=(12, 4.6), layout="constrained")
-    fig.suptitle("The preallocated cache against the cat cache on a 12 GiB card", fontweight="bold")
-    left, right = fig.subplots(1, 2)
+    fig, (left, right) = plots.figure("The preallocated cache against the cat cache on a 12 GiB "
+                                      "card", size=(12, 4.6), panels=2)
     cat = sims["cat"]
     for kind, run in sims.items():
         x = [t / 1000 for t in run.timeline["tokens"]]
@@ -91,8 +92,6 @@ def answer_figure(qwen, card, context: int):
                 f"{min(pre_gap):.0f}..{max(pre_gap):.0f} MiB, cat up to {cat_gap:,.0f} MiB")
     for ax in (left, right):
         ax.title.set_fontsize(8)
-        ax.grid(alpha=0.3)
-        ax.spines[["top", "right"]].set_visible(False)
     plots.save(fig, "nb03_flat_memory", {k: {"timeline": r.timeline, "peak": r.peak}
                                          for k, r in sims.items()}, label)
     pre = sims["prealloc"]
@@ -100,7 +99,7 @@ def answer_figure(qwen, card, context: int):
     pre_end, cat_end = pre.timeline["tokens"][-1], cat.timeline["tokens"][-1]
     cat_how = ("reached it too" if cat.fits else f"ran out at {cat_end:,} ({gain(pre_end, cat_end)}"
                f"; its next copy over the {cat.budget / MIB:,.0f} MiB budget)")
-    print(f"simulated card: prealloc reached {pre_end:,} tokens, holding {min(live) / GIB:.3f} GiB "
+    say(f"simulated card: prealloc reached {pre_end:,} tokens, holding {min(live) / GIB:.3f} GiB "
           f"from the first chunk to the last (moved {(max(live) - min(live)) / MIB:.1f} MiB); cat "
           f"{cat_how}\n{line}")
     return fig
@@ -118,9 +117,7 @@ def slots_figure(max_seq: int = 16, chunk: int = 4, prompt: int = 10) -> Figure:
     steps += [(t, t + 1) for t in (prompt, prompt + 1)]
     label = (f"max_seq = {max_seq}, a {prompt}-token prompt in chunks of {chunk}, "
              "then two decode steps")
-    fig = Figure(figsize=(10, 3.8), layout="constrained")
-    fig.suptitle(f"Which slots each forward writes and reads\n{label}", fontweight="bold")
-    ax = fig.add_subplot()
+    fig, ax = plots.figure(f"Which slots each forward writes and reads\n{label}", size=(10, 3.8))
     for row, (start, end) in enumerate(steps):
         y = len(steps) - 1 - row
         for slot in range(max_seq):
@@ -145,25 +142,19 @@ def slots_figure(max_seq: int = 16, chunk: int = 4, prompt: int = 10) -> Figure:
     return fig
 
 
-def time_both(model, context: int, label: str, ref_config, steps: int = 8, rounds: int = 3) -> None:
-    """Decode steps after a ``context``-token prompt, both caches, in interleaved rounds (A B, B A,
-    ...) so that a slow spell of a shared machine hits both; two lines: the ratio, its range over
-    the rounds and the bytes ratio here; the H200 reference's ratio, its bytes ratio (from
-    ``ref_config``, the reference model's config) and how far its step sat above its bandwidth
-    floor."""
-    device = model.device
+def time_both(model, context: int, label: str, ref_config, steps: int = 8, rounds_n: int = 3):
+    """Decode steps after a ``context``-token prompt, both caches, in rounds
+    (:mod:`course.rounds`); two lines: the ratio, its range over the rounds and the bytes ratio
+    here; the H200 reference's ratio, its bytes ratio (from ``ref_config``, the reference model's
+    config) and how far its step sat above its bandwidth floor."""
     ids = torch.randint(0, model.config.vocab_size, (1, context),
-                        generator=torch.Generator().manual_seed(0)).to(device)
-    ms = {"prealloc": [], "cat": []}
-    for r in range(rounds):
-        for kind in (("prealloc", "cat") if r % 2 == 0 else ("cat", "prealloc")):
-            out = generate_timed(model, ids, kind, steps)
-            ms[kind].append(out)
+                        generator=torch.Generator().manual_seed(0)).to(model.device)
+    ms = rounds({kind: partial(generate_timed, model, ids, kind, steps)
+                 for kind in ("prealloc", "cat")}, rounds_n)
     per_round = sorted(c / p for c, p in zip(ms["cat"], ms["prealloc"]))
     ratio = statistics.median(ms["cat"]) / statistics.median(ms["prealloc"])
     ceiling = (step_bytes(model.config, model.dtype, context, "cat")
                / step_bytes(model.config, model.dtype, context, "prealloc"))
-    busy = next((k for k, v in ms.items() if max(v) > 1.5 * min(v)), None)
     ref = plots.gpu_reference("bench_time")
     h200 = ""
     if ref is not None:
@@ -173,16 +164,16 @@ def time_both(model, context: int, label: str, ref_config, steps: int = 8, round
         n, dtype = data["contexts"][-1], getattr(torch, data["dtype"])
         ref_bytes = step_bytes(ref_config, dtype, n, "cat") / step_bytes(ref_config, dtype, n)
         floor = data["bandwidth"]["floor_ms"][-1]
-        h200 = (f"\nREFERENCE ({H200}; {name}, {data['dtype']}, {n:,} tokens): cat / prealloc "
+        h200 = (f"REFERENCE ({H200}; {name}, {data['dtype']}, {n:,} tokens): cat / prealloc "
                 f"{cat / pre:.2f}x; bytes ratio {ref_bytes:.2f}x; its prealloc step took "
                 f"{pre:.1f} ms, {pre / floor:.0f}x the {floor:.1f} ms its bytes need at its "
                 "measured bandwidth")
-    flag = (f"this run was disturbed ({busy}'s rounds more than 1.5x apart): its ratio means "
-            "nothing; run the cell again. " if busy else "")
-    print(f"{label}: {flag}after {context:,} tokens, cat / prealloc {ratio:.2f}x (per round "
-          f"{per_round[0]:.2f}..{per_round[-1]:.2f}; prealloc "
-          f"{statistics.median(ms['prealloc']):.1f} ms/step); "
-          f"bytes ratio {ceiling:.2f}x" + h200)
+    report(f"{label}: after {context:,} tokens, cat / prealloc {ratio:.2f}x (per round "
+           f"{per_round[0]:.2f}..{per_round[-1]:.2f}; prealloc "
+           f"{statistics.median(ms['prealloc']):.1f} ms/step); bytes ratio {ceiling:.2f}x",
+           disturbed({f"{k} ms/step": v for k, v in ms.items()}))
+    if h200:
+        say(h200)
 
 
 def generate_timed(model, ids, kind: str, steps: int) -> float:
@@ -197,7 +188,7 @@ def on_this_card(device, qwen_config, dtype, context: int, cap, label: str) -> N
     libraries hold once the model has loaded and with a 256 MiB margin, so that the run shows the
     memory's shape rather than an out-of-memory. Off a GPU: one line saying so."""
     if device.type != "cuda":
-        print("No GPU here: the H200 reference above is a real allocator's answer; on a GPU this "
+        say("No GPU here: the H200 reference above is a real allocator's answer; on a GPU this "
               "cell runs both caches on the card")
         return
     big, _ = kvlib.load_model("random:qwen3-4b", device=device, dtype=dtype)
@@ -213,5 +204,5 @@ def on_this_card(device, qwen_config, dtype, context: int, cap, label: str) -> N
                      f"({oom or 'no OOM'}), reserved above allocated up to {gap / MIB:,.0f} MiB")
     big = None
     free(device)
-    print(f"{label}: {held / MIB:.0f} MiB held beyond the weights after loading; planned {n:,} "
+    say(f"{label}: {held / MIB:.0f} MiB held beyond the weights after loading; planned {n:,} "
           "tokens; " + "; ".join(parts))

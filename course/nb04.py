@@ -7,6 +7,7 @@ calls kvlib makes, one paired timing of the read order, and the H200 reference's
 
 import re
 import warnings
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -17,9 +18,9 @@ from torch.overrides import TorchFunctionMode
 
 import kvlib
 from kvlib.config import head_dim, load_config
-from kvlib.timing import time_fn
 
-from . import plots
+from . import plots, say
+from .rounds import disturbed, report, rounds, timed
 
 __all__ = ["backend_table", "cudnn_reference", "layouts_figure", "read_order", "sdpa_calls",
            "three_layouts"]
@@ -63,10 +64,9 @@ def layouts_figure(slots=6, heads=3, dim=4, t=4, head=1) -> Figure:
              "head": "head-major [L, Hkv, S, D]: KVCache(layout='head'), kvlib's default"}
     label = (f"drawn from the storage offsets of KVCache(1, {slots}, {heads}, {dim}) in both "
              f"layouts · torch {torch.__version__}")
-    fig = Figure(figsize=(10, 5.6), layout="constrained")
-    fig.suptitle("One layer's K in memory: a box per key vector (s = slot, h = KV head)",
-                 fontweight="bold")
-    axes, drawn = iter(fig.subplots(4, 1)), {}
+    fig, axes = plots.figure("One layer's K in memory: a box per key vector (s = slot, h = KV "
+                             "head)", size=(10, 5.6), rows=4)
+    axes, drawn = iter(axes), {}
     for layout, name in names.items():
         offsets = drawn[layout] = _box_offsets(layout, slots, heads, dim)
         write = {(t, h) for h in range(heads)}  # the step at t writes slot t of every head
@@ -155,7 +155,7 @@ def backend_table(device, dtype, heads_from, seq=256):
                 elif result == "refuses":
                     refusals.setdefault(backend, set()).add(out)
     short = lambda b: b.removesuffix("_ATTENTION")  # noqa: E731
-    print(f"{hq} query / {hkv} KV heads ({heads_from}), one query over {seq} keys, "
+    say(f"{hq} query / {hkv} KV heads ({heads_from}), one query over {seq} keys, "
           f"{str(dtype).removeprefix('torch.')}: the backends that ran each call")
     print(f"{'call':<15}" + "".join(f"{layout:<24}" for layout in LAYOUTS))
     for mode in MODES:
@@ -166,7 +166,7 @@ def backend_table(device, dtype, heads_from, seq=256):
     if untried:
         print(f"not tried on {device.type}: {', '.join(untried)} (CUDA only)")
     for backend, why in refusals.items():
-        print(f"{short(backend)} refused some: {sorted(why)[0][:120]}")
+        say(f"{short(backend)} refused some: {sorted(why)[0][:120]}")
     return {"status": status, "agrees": agrees, "outputs": outputs, "tol": tol}
 
 
@@ -219,10 +219,9 @@ def sdpa_calls(model, device, dtype):
 
 # --- one timing of the read order ------------------------------------------------------------
 
-def read_order(device, dtype, label, rounds=9):
+def read_order(device, dtype, label, rounds_n=9):
     """kvlib's decode call (folded, no mask) over the seq-major view and the head-major view of
-    the same K/V, in paired rounds that alternate who goes first: three lines, the ratio of the
-    fastest rounds."""
+    the same K/V, in rounds (:mod:`course.rounds`): the ratio of the fastest rounds."""
     on_gpu = device.type == "cuda"
     cfg = load_config("qwen3-4b" if on_gpu else "smollm2-135m")
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
@@ -231,22 +230,20 @@ def read_order(device, dtype, label, rounds=9):
     keys = three_layouts(seq, 2 * seq, hkv, d, gen, device, dtype)
     values = three_layouts(seq, 2 * seq, hkv, d, gen, device, dtype)
     q = torch.randn(1, hkv, hq // hkv, d, generator=gen).to(device, dtype)  # folded rows
-    ms = {name: [] for name in LAYOUTS[:2]}
-    for r in range(rounds):
-        for name in (LAYOUTS[:2] if r % 2 else LAYOUTS[1::-1]):
-            call = lambda k=keys[name], v=values[name]: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
-            ms[name].append(time_fn(call,
-                                    device=device, warmup=1, repeats=5).ms)
+    ms = rounds({name: timed(partial(F.scaled_dot_product_attention, q, keys[name], values[name]),
+                             device, repeats=5, warmup=1) for name in LAYOUTS[:2]}, rounds_n)
+    ms = {name: [s * 1e3 for s in v] for name, v in ms.items()}
     seq_ms, head_ms = ms["seq-major view"], ms["head-major view"]
     ratio = min(seq_ms) / min(head_ms)  # the fastest round of each: the least disturbed
     slower = sum(a > b for a, b in zip(seq_ms, head_ms))
     layers = cfg.num_hidden_layers
-    print(f"{label}\none layer's attention call for a decode step over {seq:,} slots "
-          f"({hq} query / {hkv} KV heads), fastest of {rounds} rounds: seq-major view "
-          f"{min(seq_ms):.3f} ms, head-major view {min(head_ms):.3f} ms\n"
-          f"seq-major / head-major = {ratio:.2f}x; seq-major slower in {slower} of {rounds} "
-          f"paired rounds; x {layers} layers = {layers * min(seq_ms):.1f} ms against "
-          f"{layers * min(head_ms):.1f} ms of attention per decode step")
+    report(f"{label}\none layer's attention call for a decode step over {seq:,} slots "
+           f"({hq} query / {hkv} KV heads), fastest of {rounds_n} rounds: seq-major view "
+           f"{min(seq_ms):.3f} ms, head-major view {min(head_ms):.3f} ms\n"
+           f"seq-major / head-major = {ratio:.2f}x; seq-major slower in {slower} of {rounds_n} "
+           f"rounds; x {layers} layers = {layers * min(seq_ms):.1f} ms against "
+           f"{layers * min(head_ms):.1f} ms of attention per decode step",
+           disturbed({f"{k} (ms)": v for k, v in ms.items()}, ".3f"))
     return ratio
 
 
@@ -263,7 +260,7 @@ def cudnn_reference():
         print("no H200 reference committed: the cost of cuDNN's plans is not shown here")
         return None
     new, seen, flash = (float(x) for x in found.groups())
-    print(f"H200 reference, allocator capped at 12 GiB, torch {torch_ref[1]} "
+    say(f"H200 reference, allocator capped at 12 GiB, torch {torch_ref[1]} "
           f"(figures/h200/README.md): "
           f"cuDNN attention, a length it had not seen {new} ms per decode call, a length seen "
           f"before {seen} ms; flash {flash} ms either way")

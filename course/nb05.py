@@ -9,7 +9,6 @@ of eager, static and graph decode.
 
 import re
 import statistics
-import textwrap
 
 import torch
 from matplotlib.figure import Figure
@@ -20,7 +19,7 @@ from kvlib.bandwidth import decode_bytes
 from kvlib.config import kv_bytes_per_token, load_config
 from kvlib.meter import decode_kernels
 
-from . import plots
+from . import plots, say
 
 __all__ = ["HostSyncs", "ShapeLog", "gpu_decode", "h200_figure", "h200_reference",
            "kernels_per_layer", "predict"]
@@ -60,7 +59,7 @@ def kernels_per_layer(name="qwen3-4b", context=8192) -> dict:
               "static, split-KV": decode_kernels(name, "static", context=context),
               "static, masked SDPA": decode_kernels(name, "static", context=context,
                                                     attention="sdpa")}
-    print(f"{name}, bf16, one decode step at {context:,} slots, kernels per layer: "
+    say(f"{name}, bf16, one decode step at {context:,} slots, kernels per layer: "
           + "; ".join(f"{what} {sum(c.values()) / layers:.1f} ({sum(c.values()):,} in all)"
                       for what, c in counts.items()))
     return {"layers": layers, **counts}
@@ -99,7 +98,7 @@ def h200_reference():
            "us_per_slot": 1e3 * per_slot_ms, "floor_us_per_slot": 1e6 * slot / bw,
            "intercept_ms": check["graph"] - per_slot_ms * ctx8,
            "weights_ms": 1e3 * decode_bytes(config, torch.bfloat16, 0) / bw}
-    print(f"{H200_LABEL}: Qwen3-4B bf16 graph step {check['graph']:.2f} ms at {ctx8:,} slots "
+    say(f"{H200_LABEL}: Qwen3-4B bf16 graph step {check['graph']:.2f} ms at {ctx8:,} slots "
           f"and {graph['graph_ms']:.2f} ms at {ctx16:,}: {ref['us_per_slot']:.2f} µs "
           f"per slot of context; reading one slot's {slot:,} B at the measured "
           f"{bw / 1e12:.2f} TB/s takes {ref['floor_us_per_slot']:.3f} µs, "
@@ -123,10 +122,9 @@ def h200_figure(ref) -> Figure:
     config = load_config("qwen3-4b")
     xs = list(range(0, 16385, 512))
     floor = [1e3 * decode_bytes(config, torch.bfloat16, x) / ref["bandwidth"] for x in xs]
-    fig = Figure(figsize=(9, 6), layout="constrained")
-    fig.suptitle("Qwen3-4B decode on the H200: the graph step far above the bytes' floor",
-                 fontweight="bold")
-    ax = fig.add_subplot()
+    title = ref["label"].replace("expandable segments off · ", "")
+    fig, ax = plots.figure("Qwen3-4B decode on the H200: the graph step far above the bytes' floor",
+                           title, "context (slots attended)", "ms per token", size=(9, 6))
     ax.plot(xs, floor, color="0.3", ls="--",
             label=f"bytes floor: weights + KV at the measured bandwidth, "
                   f"+{ref['floor_us_per_slot']:.3f} µs per slot")
@@ -152,12 +150,8 @@ def h200_figure(ref) -> Figure:
     ax.plot(list(guess), list(guess.values()), "o", mfc="none", color="tab:green",
             label=f"PREDICTION: kvlib's split-KV graph step ({after:,} kernels), "
                   "estimated (section 6)")
-    ax.set(xlabel="context (slots attended)", ylabel="ms per token", ylim=(0, None))
-    ax.grid(alpha=0.3)
-    ax.spines[["top", "right"]].set_visible(False)
+    ax.set_ylim(bottom=0)
     fig.legend(fontsize=8, loc="outside lower center", ncols=1, frameon=False)
-    title = ref["label"].replace("expandable segments off · ", "")
-    ax.set_title(textwrap.fill(title, 120), fontsize=7, color="0.35")
     plots.save(fig, "nb05_h200_gap", label=title,
                data={**{k: v for k, v in ref.items() if k != "label"},
                      "prediction_ms": {str(c): v for c, v in guess.items()}})
@@ -207,7 +201,7 @@ def gpu_decode(device, contexts=(2048, 8192), steps=32, bucket=256):
     """On CUDA: Qwen3-4B (random weights) in the card's dtype, ms/token of eager, static and
     graph decode at each context, one line each. Elsewhere, one line saying so."""
     if device.type != "cuda":
-        print(f"no GPU here ({device.type}): the eager, static and graph steps of Qwen3-4B are "
+        say(f"no GPU here ({device.type}): the eager, static and graph steps of Qwen3-4B are "
               f"timed when this notebook runs on one")
         return None
     dtype = kvlib.auto_dtype(device)
@@ -226,6 +220,6 @@ def gpu_decode(device, contexts=(2048, 8192), steps=32, bucket=256):
             out = kvlib.generate(model, prompt[:, c - 1:c], steps + 1, cache=cache,
                                  eos_token_id=None, step=mode, bucket=bucket, timed=True)
             times[c, mode] = 1e3 * statistics.median(out.step_s)
-        print(f"{label} · Qwen3-4B at {c:,}: " + ", ".join(
+        say(f"{label} · Qwen3-4B at {c:,}: " + ", ".join(
             f"{m} {times[c, m]:.2f}" for m in ("eager", "static", "graph")) + " ms/token")
     return times

@@ -1,9 +1,9 @@
-"""Notebook 06's machinery: the cards figure, the simulated card's limits, the GPU reference lines
-and the budget calculator. The notebook keeps the arithmetic it teaches (``plan_budget`` per card,
-the bandwidth floor per card); what draws, bisects and formats lives here, one call per cell.
+"""Notebook 06's machinery: the cards figure, what is live at the simulated card's peak, and the
+budget calculator. The notebook keeps what it teaches (``plan_budget`` per card, the bandwidth floor
+per card, the bisection on the simulated card, the GPU reference against the plan and the floor);
+what draws and formats lives here, one call per cell.
 """
 
-import textwrap
 
 import torch
 from IPython.display import display
@@ -12,9 +12,9 @@ from matplotlib.figure import Figure
 from kvlib.budget import meta_model, plan_budget
 from kvlib.cards import CARDS
 from kvlib.config import GIB, load_config
-from kvlib.simulate import longest_context, simulate
+from kvlib.simulate import simulate
 
-from . import plots
+from . import WIDTH, plots, wrapped  # noqa: F401 (WIDTH: the calculator's width, tested)
 
 CACHES = ("prealloc", "cat")  # kvlib's two caches
 SIM_LABEL = ("simulated card (meta device: exact tensor bytes; no allocator, no fragmentation, "
@@ -23,7 +23,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 CARDS_LABEL = ("PREDICTION: plan_budget on the qwen3-4b config, and the bandwidth floor (bytes a "
                "decode step moves / the datasheet's GB/s, kvlib.cards); nothing ran on these cards")
 PLAN_LABEL = "PREDICTION from the qwen3-4b config (plan_budget: arithmetic; nothing ran) · bfloat16"
-WIDTH = 100  # characters of a printed line: a browser's output area breaks longer ones anywhere
 
 
 def card_dtype(card) -> torch.dtype:
@@ -52,10 +51,8 @@ def cards_table(config, window: int) -> dict:
 def cards_figure(table: dict, window: int, label: str) -> Figure:
     """Two panels, one row per card, prealloc against cat: each cache's longest context (the plan,
     capped at the model's window) and its tokens/s ceiling there. ``table``: ``cards_table``."""
-    fig = Figure(figsize=(9.0, 4.2), layout="constrained")
-    fig.suptitle("Qwen3-4B on each card: how long a conversation, how fast at most",
-                 fontweight="bold")
-    left, right = fig.subplots(1, 2, sharey=True)
+    fig, (left, right) = plots.figure("Qwen3-4B on each card: how long a conversation, how fast "
+                                      "at most", label, size=(9.0, 4.2), panels=2, sharey=True)
     names = list(table)
     for j, cache in enumerate(CACHES):
         ys = [i + (j - 0.5) * 0.4 for i in range(len(names))]
@@ -76,31 +73,9 @@ def cards_figure(table: dict, window: int, label: str) -> Figure:
     right.margins(x=0.12)
     left.invert_yaxis()
     for ax in (left, right):
-        ax.grid(axis="x", alpha=0.3)
-        ax.spines[["top", "right"]].set_visible(False)
+        ax.grid(False, axis="y")
     right.legend(fontsize=9, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False)
-    fig.supxlabel(textwrap.fill(label, 120), fontsize=8, color="0.35")
     return fig
-
-
-def simulated_limits(config, card: str = "12 GiB", bracket: int = 16) -> dict:
-    """{cache: (plan, simulated)}: the longest context on the simulated card, bisected within
-    ``bracket`` tokens of the plan (widened x4 while the limit lies outside), next to the plan."""
-    c = CARDS[card]
-    meta = meta_model(config, card_dtype(c))
-    out = {}
-    for cache in CACHES:
-        planned = plan_budget(config, card_dtype(c), c.memory, cache=cache).max_context
-        half = bracket
-        while True:
-            try:
-                found = longest_context(meta, lo=max(planned - half, 5), hi=planned + half,
-                                        card=c, cache=cache)
-                break
-            except ValueError:  # the simulation refuted a bound
-                half *= 4
-        out[cache] = (planned, found)
-    return out
 
 
 def live_at_peak(config, tokens: int, cache: str, card: str = "12 GiB") -> str:
@@ -127,48 +102,6 @@ def window_fits(config, card: str, window: int, attention: str = "auto") -> bool
 def reference_label(label: str) -> str:
     """The run's label without the allocator setting the notebook does not teach."""
     return label.replace(" · expandable segments off", "")
-
-
-def reference_longest() -> str:
-    """The GPU reference (figures/h200/: an H200, allocator capped at 12 GiB), read from its JSON:
-    the longest context each cache reached under the real allocator, against the plan for the loop
-    that ran there (notebook 00 says why it differs from this one). The one line that prints the
-    run's whole label."""
-    found = plots.gpu_reference("gpu_longest")
-    if found is None:
-        return "no GPU run committed in figures/: no reference to set beside the plan"
-    data, label, _ = found
-    planned = data["arithmetic"]
-    return wrapped(f"REFERENCE ({reference_label(label)}): under the real allocator prealloc "
-                   f"reached {data['prealloc']:,} tokens and cat {data['cat']:,}; prealloc's is "
-                   f"{data['prealloc'] / planned:.1%} of the plan for the loop it ran "
-                   f"({planned:,})")
-
-
-def reference_step() -> str:
-    """The same reference's decode step (prealloc, its longest context) against its floor: the
-    bench times kvlib's eager loop (no CUDA graph; figures/h200/README.md), and its floor divides
-    the step's bytes by the copy speed measured on that card (the datasheet's beside it), and the
-    same step replayed as a CUDA graph, which issues no launches from the host."""
-    found = plots.gpu_reference("bench")
-    if found is None:
-        return "no GPU run committed in figures/: no measured step to set beside the floor"
-    data, _, _ = found
-    ms, floor = data["caches"]["prealloc"]["ms_per_token"][-1], data["bandwidth"]["floor_ms"][-1]
-    copied, sheet = data["bandwidth"]["bytes_per_s"], CARDS["H200"].bandwidth
-    graph = data["cuda_graph"]
-    return wrapped(f"REFERENCE (the same H200 run): an eager {data['model']} decode step at "
-                   f"{data['contexts'][-1]:,} tokens took {ms:.1f} ms, {ms / floor:.0f}x its "
-                   f"floor of {floor:.2f} ms (its bytes over the {copied / 1e12:.1f} TB/s this "
-                   f"H200 copied at; the datasheet's {sheet / 1e12:.1f} TB/s would give "
-                   f"{floor * copied / sheet:.2f} ms); replayed as a CUDA graph at "
-                   f"{graph['context']:,} tokens, {graph['graph_ms']:.1f} ms")
-
-
-def wrapped(text: str, indent: str = "  ") -> str:
-    """A long line broken at word boundaries, never inside a word."""
-    return textwrap.fill(text, WIDTH, subsequent_indent=indent, break_long_words=False,
-                         break_on_hyphens=False)
 
 
 def calculator_lines(model="qwen3-4b", dtype="bfloat16", batch=1, context=8192, budget_gib=12.0,

@@ -17,12 +17,14 @@ from matplotlib.figure import Figure
 import kvlib
 from kvlib.config import kv_heads
 from kvlib.kv_cache import KVCache
+from kvlib.meter import fill
 from kvlib.paged_cache import BlockPool, OutOfBlocks, PagedCache
-from kvlib.timing import time_fn
+
+from . import plots, wrapped
+from .rounds import disturbed, flag_label, flag_line, rounds, timed
 
 TRACE = (Path(__file__).resolve().parents[1] / "notebooks" / "data"
          / "azure_llm_conv_2023_sample.csv")
-SPREAD = 1.5  # rounds of the same work further apart than this: other programs took the time
 BATCH_STEPS = 6  # decode steps timed per batch and round
 
 
@@ -50,13 +52,6 @@ def policies(config, dtype, max_seq: int, prompt_len, out_cap: int, blocks, pool
     return made
 
 
-def _write(cache, n: int, dtype) -> None:
-    """``n`` slots written: the first layer's write is the one that takes a pool's blocks."""
-    zeros = torch.zeros(n, cache.n_kv_heads, cache.head_dim, dtype=dtype, device="meta")
-    cache.write(0, 0, zeros, zeros)
-    cache.seq_len = n
-
-
 def waste(made: dict, slots, dtype) -> dict:
     """{policy: (reserved, used) bytes} over every request, each written to its full length."""
     out = {}
@@ -64,7 +59,7 @@ def waste(made: dict, slots, dtype) -> dict:
         reserved = used = 0
         for n in slots.tolist():
             cache = make()
-            _write(cache, n, dtype)
+            fill(cache, n, layers=1)  # the first layer's write takes a pool's blocks
             reserved, used = reserved + cache.nbytes, used + n * cache.bytes_per_token
             cache.reset()
         out[name] = (reserved, used)
@@ -80,7 +75,7 @@ def admitted(made: dict, slots, dtype, kv_bytes: int) -> dict:
         for n in slots.tolist():
             cache = make()
             try:
-                _write(cache, n, dtype)
+                fill(cache, n, layers=1)
             except OutOfBlocks:
                 break
             held += cache.nbytes if isinstance(cache, KVCache) else 0
@@ -94,17 +89,15 @@ def admitted(made: dict, slots, dtype, kv_bytes: int) -> dict:
 def waste_figure(reserved_used: dict, requests: int, label: str) -> Figure:
     """The share of each policy's reserved KV memory that is never written, one bar a policy."""
     share = {name: 1 - used / reserved for name, (reserved, used) in reserved_used.items()}
-    fig = Figure(figsize=(8, 3.8), layout="constrained")
-    ax = fig.add_subplot()
-    fig.suptitle("KV memory reserved but never written", fontweight="bold")
-    ax.set_title(f"{requests:,} requests of the Azure LLM trace 2023 (conversation); Qwen3-4B bf16"
-                 f"\n{label}", fontsize=9, color="0.35")
+    fig, ax = plots.figure("KV memory reserved but never written", f"{requests:,} requests of the "
+                           f"Azure LLM trace 2023 (conversation); Qwen3-4B bf16 · {label}",
+                           "waste: 1 - used / reserved (%)", size=(8, 3.8))
     colors = ["tab:red" if n.startswith("slab of ") and "prompt" not in n else
               "tab:orange" if n.startswith("slab") else "tab:green" for n in share]
     ax.barh(list(share), [100 * w for w in share.values()], color=colors)
     for y, w in enumerate(share.values()):
         ax.text(100 * w + 1, y, f"{w:.1%}", va="center", fontsize=8)
-    ax.set(xlabel="waste: 1 - used / reserved (%)", xlim=(0, 100))
+    ax.set(xlim=(0, 100))
     ax.invert_yaxis()
     return fig
 
@@ -112,7 +105,7 @@ def waste_figure(reserved_used: dict, requests: int, label: str) -> Figure:
 def in_place_kernels(device, pages: int = 256, block: int = 16, context: int = 1000) -> list[str]:
     """Attention of one query over a ``context``-token request in a pool of ``pages`` blocks, three
     ways: kvlib's gather + SDPA, eager FlexAttention in place (compiled: minutes on a CPU), and
-    ``varlen_attn`` with a block table. One line each: same result, ms (median of 5), or why not."""
+    ``varlen_attn`` with a block table. One line each: same result, ms (in rounds), or why not."""
     from torch.nn.attention.experimental._paged_attention import PagedAttention
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     from torch.nn.attention.varlen import varlen_attn
@@ -136,21 +129,21 @@ def in_place_kernels(device, pages: int = 256, block: int = 16, context: int = 1
         out = F.scaled_dot_product_attention(q.view(1, hkv, hq // hkv, d), ks, vs)
         return out.view(1, hq, 1, d)
 
-    def ms(fn):
-        return time_fn(fn, device=device, warmup=1, repeats=5).ms
-
-    want = gather_sdpa()
-    gathered = ms(gather_sdpa)
-    lines = [f"gather + SDPA: {gathered:.2f} ms, copies "
-             f"{2 * hkv * len(table) * block * d * 4:,} B per call"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager flex warns that it builds the whole score matrix
         flex = partial(flex_attention, q, k, v, block_mask=mask, enable_gqa=True)
-        same, took = torch.allclose(flex(), want, atol=1e-5), ms(flex)
-        lines.append(f"FlexAttention, eager, in place: same result {same}, {took:.2f} ms "
-                     f"({took / gathered:.1f}x the gather)")
+        same = torch.allclose(flex(), gather_sdpa(), atol=1e-5)
+        ms = rounds({way: timed(fn, device, repeats=5, warmup=1)
+                     for way, fn in (("gather", gather_sdpa), ("flex", flex))}, 3)
+    gathered, took = (1e3 * statistics.median(ms[way]) for way in ("gather", "flex"))
+    lines = [f"gather + SDPA: {gathered:.2f} ms, copies "
+             f"{2 * hkv * len(table) * block * d * 4:,} B per call",
+             flag_line(f"FlexAttention, eager, in place: same result {same}, {took:.2f} ms "
+                       f"({took / gathered:.1f}x the gather; medians of 3 rounds)",
+                       disturbed({f"{w} (ms)": [x * 1e3 for x in v] for w, v in ms.items()}))]
     if torch.device(device).type != "cuda":
-        return [*lines, "varlen_attn with a block_table: needs CUDA (FlashAttention); skipped here"]
+        lines.append("varlen_attn with a block_table: needs CUDA (FlashAttention); skipped here")
+        return [wrapped(line) for line in lines]
     try:
         pool_k = k[0].view(hkv, pages, block, d).permute(1, 2, 0, 3)  # [pages, block, H, D]
         varlen_attn(q[0].transpose(0, 1), pool_k, pool_k,
@@ -159,25 +152,20 @@ def in_place_kernels(device, pages: int = 256, block: int = 16, context: int = 1
         lines.append("varlen_attn with a block_table: ran")
     except Exception as err:
         lines.append(f"varlen_attn with a block_table: {type(err).__name__}: {str(err)[:120]}")
-    return lines
-
-
-def _flags(samples: dict) -> list[str]:  # rounds of the same work over SPREAD apart: a busy machine
-    return [f"{k}: {min(v):.1f}..{max(v):.1f}" for k, v in samples.items()
-            if max(v) > SPREAD * min(v)]
+    return [wrapped(line) for line in lines]
 
 
 def batch_throughput(model, prompt, batches=(1, 2, 4, 8, 16), steps: int = BATCH_STEPS,
-                     rounds: int = 3):
+                     rounds_n: int = 3):
     """({batch: [tokens/s of each round]}, flagged): B copies of ``prompt`` decoded ``steps`` steps,
-    the batch sizes interleaved in rounds (forward, then backward) so that a slow moment of a
-    shared machine hits them alike; a round's tokens/s is B over its median step."""
-    per_round = {b: [] for b in batches}
-    for r in range(rounds):
-        for b in (batches if r % 2 == 0 else batches[::-1]):
-            gens = kvlib.generate(model, [prompt] * b, steps + 1, eos_token_id=None, timed=True)
-            per_round[b].append(b / statistics.median(gens[0].step_s))
-    return per_round, _flags({f"batch {b}": v for b, v in per_round.items()})
+    the batch sizes taking turns in rounds (:mod:`course.rounds`); a round's tokens/s is B over
+    its median step."""
+    def tokens_per_s(b):
+        gens = kvlib.generate(model, [prompt] * b, steps + 1, eos_token_id=None, timed=True)
+        return b / statistics.median(gens[0].step_s)
+
+    per_round = rounds({b: partial(tokens_per_s, b) for b in batches}, rounds_n)
+    return per_round, disturbed({f"batch {b}": v for b, v in per_round.items()})
 
 
 def throughput_figure(per_round: dict, floor: dict, cards: dict, fits: dict, label: str,
@@ -185,9 +173,8 @@ def throughput_figure(per_round: dict, floor: dict, cards: dict, fits: dict, lab
     """Left: tokens/s by batch on this machine (median, range of the rounds) beside the bandwidth
     limit. Right: the bandwidth limit of named cards for Qwen3-4B, with what 12 GiB admits."""
     batches = list(per_round)
-    fig = Figure(figsize=(12, 4), layout="constrained")
-    fig.suptitle("Tokens/s against batch size", fontweight="bold")
-    left, right = fig.subplots(1, 2)
+    fig, (left, right) = plots.figure("Tokens/s against batch size", xlabel="batch", size=(12, 4),
+                                      panels=2)
     (line,) = left.plot(batches, [statistics.median(v) for v in per_round.values()], "o-",
                         label="measured (median of rounds)")
     left.fill_between(batches, [min(v) for v in per_round.values()],
@@ -195,8 +182,7 @@ def throughput_figure(per_round: dict, floor: dict, cards: dict, fits: dict, lab
                       label="measured: range of the rounds")
     left.plot(batches, [floor[b] for b in batches], "--", color="0.4",
               label="bandwidth limit (tokens/s): bytes / copy bandwidth")
-    left.set(title=textwrap.fill(f"SmolLM2-135M · {label}", 110), xlabel="batch",
-             ylabel="tokens/s (log scale)",
+    left.set(title=textwrap.fill(f"SmolLM2-135M · {label}", 110), ylabel="tokens/s (log scale)",
              xticks=batches)
     left.title.set_fontsize(9)
     most = max(fits.values())
@@ -208,12 +194,11 @@ def throughput_figure(per_round: dict, floor: dict, cards: dict, fits: dict, lab
         right.axvline(b, color=color, ls=":",
                       label=f"fits 12 GiB at {context:,} tokens: {name} ({b})")
     right.set(title="Qwen3-4B bf16: bandwidth limit, an upper bound, not a forecast",
-              xlabel="batch", ylabel="tokens/s", xlim=(0, most + 1))
+              ylabel="tokens/s", xlim=(0, most + 1))
     right.title.set_fontsize(9)
     left.set_yscale("log")  # the CPU's batch 1 and its limit differ several-fold
-    for axis in (left, right):
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
+    left.legend(fontsize=7)
+    right.legend(fontsize=7)
     return fig
 
 
@@ -224,24 +209,19 @@ def gather_bytes(config, n: int, block: int = 16, itemsize: int = 4) -> int:
 
 
 def filled(model, kind: str, n: int, block: int = 16):
-    """A slab or paged cache of random K/V in slots 0..n, ``seq_len`` n: a step rewrites slot n."""
+    """A slab or paged cache holding ``n`` slots (zeros), room for slot n, which a step writes."""
     config, device, dtype = model.config, model.device, model.dtype
     cache = (KVCache.for_model(config, n + 1, device=device, dtype=dtype) if kind == "slab" else
              PagedCache(BlockPool.for_model(config, -(-(n + 1) // block), block, device=device,
                                             dtype=dtype)))
-    kv = torch.randn(n + 1, cache.n_kv_heads, cache.head_dim,
-                     generator=torch.Generator().manual_seed(0)).to(device, dtype)
-    for layer in range(cache.n_layers):
-        cache.write(layer, 0, kv, kv)
-    cache.seq_len = n
+    fill(cache, n)
     return cache
 
 
-def paging_cost(model, token, contexts=(256, 1024, 2048), rounds: int = 4):
+def paging_cost(model, token, contexts=(256, 1024, 2048), rounds_n: int = 4):
     """({(kind, n): [ms of each round]}, flagged): at each context, the slab step, the paged step,
-    and the paged cache's gathers alone, interleaved in rounds (each a median of 5 calls)."""
-    kinds = ("slab step", "paged step", "gathers alone")
-    out = {(kind, n): [] for kind in kinds for n in contexts}
+    and the paged cache's gathers alone, in rounds (:mod:`course.rounds`), each a median of 5."""
+    out = {}
     for n in contexts:
         slab, paged = filled(model, "slab", n), filled(model, "paged", n)
 
@@ -250,15 +230,13 @@ def paging_cost(model, token, contexts=(256, 1024, 2048), rounds: int = 4):
                 k, v = paged.view(layer, n + 1)
                 del k, v
 
-        calls = {"slab step": lambda slab=slab, n=n: kvlib.forward(model, token, slab, n),
-                 "paged step": lambda paged=paged, n=n: kvlib.forward(model, token, paged, n),
+        calls = {"slab step": partial(kvlib.forward, model, token, slab, n),
+                 "paged step": partial(kvlib.forward, model, token, paged, n),
                  "gathers alone": gathers}
-        for r in range(rounds):
-            for kind in (kinds if r % 2 == 0 else kinds[::-1]):
-                out[kind, n].append(time_fn(calls[kind], device=model.device, warmup=1,
-                                            repeats=5).ms)
-    flagged = _flags({f"{kind} at {n:,}": v for (kind, n), v in out.items()})
-    return out, flagged
+        ms = rounds({kind: timed(call, model.device, repeats=5, warmup=1)
+                     for kind, call in calls.items()}, rounds_n)
+        out |= {(kind, n): [s * 1e3 for s in v] for kind, v in ms.items()}
+    return out, disturbed({f"{kind} at {n:,}": v for (kind, n), v in out.items()})
 
 
 def paging_figure(round_ms: dict, predicted: dict, label: str, flagged: list) -> Figure:
@@ -269,12 +247,9 @@ def paging_figure(round_ms: dict, predicted: dict, label: str, flagged: list) ->
     extra = {n: [p - s for s, p in zip(round_ms["slab step", n], round_ms["paged step", n])]
              for n in contexts}
     alone = {n: round_ms["gathers alone", n] for n in contexts}
-    fig = Figure(figsize=(7.5, 4.2), layout="constrained")
-    ax = fig.add_subplot()
-    fig.suptitle("What reading pages adds per decode step", fontweight="bold")
-    note = " · DISTURBED: rounds of the same work over 1.5x apart" if flagged else ""
-    ax.set_title(textwrap.fill(f"SmolLM2-135M, pages of 16; medians, bars: range of the rounds · "
-                               f"{label}{note}", 110), fontsize=9, color="0.35")
+    fig, ax = plots.figure("What reading pages adds per decode step", flag_label(
+        f"SmolLM2-135M, pages of 16; medians, bars: range of the rounds · {label}", flagged),
+        "context (tokens)", "ms per step", size=(7.5, 4.2))
     step = (contexts[-1] - contexts[0]) / 40  # side by side, so the bars do not hide each other
     for (name, samples, color), shift in zip(
             (("paged step minus slab step, round by round", extra, "tab:blue"),
@@ -287,12 +262,11 @@ def paging_figure(round_ms: dict, predicted: dict, label: str, flagged: list) ->
     ax.plot(contexts, [predicted[n] for n in contexts], "--", color="0.3",
             label="PREDICTION: 2 x gather bytes / copy bandwidth")
     ax.axhline(0, color="0.6", lw=0.8)
-    ax.set(xlabel="context (tokens)", ylabel="ms per step", xticks=contexts)
+    ax.set(xticks=contexts)
     quart = [q for v in (*extra.values(), *alone.values()) for q in np.percentile(v, (25, 75))]
     quart += list(predicted.values())
     pad = 0.3 * (max(quart) - min(quart))  # an outlying round runs off the frame, not the scale
     ax.set_ylim(min(0, min(quart) - pad), max(quart) + pad)
     ax.margins(x=0.08)
-    ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     return fig

@@ -7,27 +7,23 @@ ledger on one step, the ring's slots, parity with transformers, and the sinks' p
 """
 
 import statistics
-import textwrap
 
 import torch
 import torch.nn.functional as F
 from matplotlib.figure import Figure
 from transformers import QuantizedCache
 
-from kvlib import KVCache, MeteredCache, QuantCache, RingCache, forward, generate
-from kvlib.budget import meta_model
-from kvlib.cards import Kernels, card
+from kvlib import KVCache, QuantCache, RingCache, forward, generate
 from kvlib.config import MIB
-from kvlib.simulate import Ledger
-from kvlib.timing import time_fn
+from kvlib.meter import fill
 
 from . import plots
+from .rounds import disturbed, flag_label, report, rounds, timed
 
 __all__ = ["accuracy", "answer_figure", "chunk_logits", "every_logits", "greedy", "sinks_figure",
-           "tail_run", "time_steps"]
+           "time_steps"]
 
 CHUNK = 128  # the text goes through in chunks, each over the slots the cache already holds
-SPREAD = 1.5  # rounds of the same work further apart than this: other programs took the time
 
 
 @torch.no_grad()
@@ -104,12 +100,9 @@ def answer_figure(rows: dict, n: int, label: str) -> Figure:
     held = [n * rows[k]["bytes"] if rows[k]["bytes"] else
             full * (int(k.split()[1]) + (int(k.split()[3]) if "sinks" in k else 0)) for k in names]
     ppl = [rows[k]["ppl"] for k in names]
-    fig = Figure(figsize=(7.5, 3.6), layout="constrained")
-    fig.suptitle(f"KV bytes for {n:,} tokens of text, and the perplexity each cache gives",
-                 fontweight="bold")
-    fig.text(0.5, 0.9, textwrap.fill(label + " · smollm2-135m", 110), ha="center", fontsize=8,
-             color="0.35")
-    left, right = fig.subplots(1, 2, sharey=True)
+    fig, (left, right) = plots.figure(f"KV bytes for {n:,} tokens of text, and the perplexity each "
+                                      "cache gives", f"{label} · smollm2-135m", size=(7.5, 3.6),
+                                      panels=2, sharey=True)
     colors = ["0.3", "tab:blue", "tab:red", "tab:orange", "tab:green", "tab:purple"]
     for ax, values, xlabel in ((left, [h / MIB for h in held], "KV bytes held (MiB)"),
                                (right, ppl, "perplexity (lower is better)")):
@@ -118,11 +111,10 @@ def answer_figure(rows: dict, n: int, label: str) -> Figure:
             ax.text(v, i, f" {v:.2f}", va="center", fontsize=8)
         ax.set_xlim(0, 1.2 * max(values))
         ax.set_xlabel(xlabel)
-        ax.grid(alpha=0.3, axis="x")
+        ax.grid(False, axis="y")
     right.axvline(ppl[0], color="k", lw=1, ls="--")
     left.set_yticks(range(len(names)), names, fontsize=8)
     left.invert_yaxis()
-    fig.get_layout_engine().set(rect=(0, 0, 1, 0.88))
     plots.save(fig, "nb08_answer", data={"n": n, "held": dict(zip(names, held)),
                                          "perplexity": dict(zip(names, ppl))}, label=label)
     return fig
@@ -135,60 +127,18 @@ def sinks_figure(rows: dict, window: int, label: str, bucket: int = CHUNK) -> Fi
     buckets = list(range(0, n, bucket))
     series = {k: [rows[k]["nll"][b:b + bucket].mean().exp().item() for b in buckets]
               for k in names}
-    fig = Figure(figsize=(7.5, 4), layout="constrained")
-    fig.suptitle(f"SmolLM2 past a window of {window}: without and with attention sinks",
-                 fontweight="bold")
-    ax = fig.add_subplot()
-    ax.set_title(label + " · smollm2-135m", fontsize=8, color="0.35")
+    fig, ax = plots.figure(f"SmolLM2 past a window of {window}: without and with attention sinks",
+                           f"{label} · smollm2-135m", f"position in the text (mean of {bucket} "
+                           "tokens)", "perplexity", size=(7.5, 4))
     for k in names:
         style = dict(color="k", ls="--", lw=2, zorder=0) if k == "fp32 KVCache" else {}
         ax.plot([b + bucket // 2 for b in buckets], series[k], marker="o", ms=4, label=k, **style)
     ax.axvline(window, color="0.5", lw=1, ls="--", label=f"the window's end ({window})")
-    ax.set(xlabel=f"position in the text (mean of {bucket} tokens)", ylabel="perplexity")
     ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     plots.save(fig, "nb08_sinks", data={"positions": buckets, "bucket": bucket, "window": window,
                                         "perplexity": series}, label=label)
     return fig
-
-
-def tail_run(config, context: int, decode: int, chunk: int = 512):
-    """The simulated 12 GiB card (``meta`` tensors, live bytes counted op by op) running
-    ``config`` in bf16 over an int8 QuantCache: the last two prefill chunks and the last two decode
-    steps of a ``context``-token run, the skipped slots filled outside the peak. (ledger, OOM or
-    None)."""
-    twelve, meta = card("12 GiB"), torch.device("meta")
-    model = meta_model(config, torch.bfloat16)
-    weights = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
-    ledger, prompt = Ledger(twelve.memory, weights), context - decode
-    chunks = list(range(0, prompt, chunk))[-2:]
-    try:
-        with ledger, Kernels(ledger, twelve.sm):
-            with ledger.region("cache"):
-                kv = MeteredCache(QuantCache.for_model(config, context, device=meta,
-                                                       dtype=torch.bfloat16), ledger)
-
-            def fill(upto):
-                with ledger.region(counted=False):
-                    k = torch.empty(upto - kv.seq_len, kv.n_kv_heads, kv.head_dim,
-                                    dtype=torch.bfloat16, device=meta)
-                    for layer in range(kv.n_layers):
-                        kv.write(layer, kv.seq_len, k, k)
-                    kv.seq_len = ledger.tokens = upto
-
-            fill(chunks[0])
-            ids = torch.zeros(1, prompt, dtype=torch.long, device=meta)
-            for start in chunks:
-                logits = forward(model, ids[:, start:start + chunk], kv, start)
-                ledger.mark(kv.seq_len)
-            fill(context - 2)
-            for pos in (context - 2, context - 1):
-                logits = forward(model, logits.argmax(-1, keepdim=True), kv, pos)
-                ledger.mark(kv.seq_len)
-    except torch.OutOfMemoryError as oom:
-        return ledger, oom
-    return ledger, None
 
 
 def greedy(model, prompt, n: int = 256) -> dict:
@@ -224,9 +174,7 @@ def _step(model, kind: str, T: int, ring: int):
     cfg, dtype, token = model.config, model.dtype, torch.zeros(1, 1, dtype=torch.long)
     if kind.startswith("ring"):
         cache = RingCache.for_model(cfg, ring, device="cpu", dtype=dtype)
-        zeros = torch.zeros(T, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
-        for layer in range(cfg.num_hidden_layers):
-            cache.write(layer, 0, zeros, zeros)
+        fill(cache, T)
         pos = iter(range(T, T + 10_000))  # a ring only moves forward
     else:
         bits = {"fp32": None, "int8": 8, "int4": 4}[kind]
@@ -237,29 +185,21 @@ def _step(model, kind: str, T: int, ring: int):
     return lambda: forward(model, token, cache, next(pos))
 
 
-def time_steps(model, label: str, contexts=(512, 2048), rounds: int = 7, ring: int = 256):
-    """Each cache's decode step over fp32's, timed in rounds (the caches in a rotating order, so a
-    ratio compares two steps of the same spell of a shared machine); round 0 warms up. Prints one
+def time_steps(model, label: str, contexts=(512, 2048), rounds_n: int = 7, ring: int = 256):
+    """Each cache's decode step over fp32's, timed in rounds (:mod:`course.rounds`: a ratio
+    compares two steps of the same spell of a shared machine); a warm-up round first. Prints one
     line; returns the figure (median and range of the rounds' ratios)."""
     kinds = ["fp32", "int8", "int4", f"ring W={ring}"]
-    steps = {(k, T): _step(model, k, T, ring) for k in kinds for T in contexts}
-    ms = {key: [] for key in steps}
-    for r in range(rounds + 1):
-        for T in contexts:
-            for k in kinds[r % 4:] + kinds[:r % 4]:
-                ms[k, T].append(time_fn(steps[k, T], device="cpu", warmup=1, repeats=5).ms)
-    ms = {key: v[1:] for key, v in ms.items()}  # round 0 dropped
+    steps = {(k, T): _step(model, k, T, ring) for T in contexts for k in kinds}
+    ms = rounds({key: timed(step, "cpu", repeats=5, warmup=1) for key, step in steps.items()},
+                rounds_n, warmup=1)
+    ms = {key: [s * 1e3 for s in v] for key, v in ms.items()}
     ratio = {(k, T): [a / b for a, b in zip(ms[k, T], ms["fp32", T])]
              for k in kinds[1:] for T in contexts}
-    flagged = [f"{k} at {T:,}" for (k, T), v in ms.items() if max(v) > SPREAD * min(v)]
-    note = (f" · DISTURBED: rounds of {len(flagged)} of {len(ms)} cases over {SPREAD}x apart"
-            if flagged else "")
-    label = f"{label} · smollm2-135m{note}"
-    fig = Figure(figsize=(7.5, 3.8), layout="constrained")
-    fig.suptitle("Time per decode step over fp32's (median, range of the rounds)",
-                 fontweight="bold")
-    ax = fig.add_subplot()
-    ax.set_title(textwrap.fill(label, 110), fontsize=8, color="0.35")
+    flagged = disturbed({f"{k} at {T:,} (ms)": v for (k, T), v in ms.items()})
+    label = flag_label(f"{label} · smollm2-135m", flagged)
+    fig, ax = plots.figure("Time per decode step over fp32's (median, range of the rounds)", label,
+                           ylabel="time per step / fp32's", size=(7.5, 3.8))
     for i, T in enumerate(contexts):
         mid = [statistics.median(ratio[k, T]) for k in kinds[1:]]
         x = [j + 0.35 * (i - 0.5) for j in range(len(kinds) - 1)]
@@ -268,14 +208,11 @@ def time_steps(model, label: str, contexts=(512, 2048), rounds: int = 7, ring: i
                      [max(ratio[k, T]) - m for m, k in zip(mid, kinds[1:])]], capsize=3)
     ax.axhline(1, color="k", lw=1, ls="--")
     ax.set_xticks(range(len(kinds) - 1), kinds[1:])
-    ax.set_ylabel("time per step / fp32's")
-    ax.grid(alpha=0.3, axis="y")
+    ax.grid(False, axis="x")
     ax.legend(fontsize=8)
     plots.save(fig, "nb08_time", data={"ms": {f"{k} @ {T}": v for (k, T), v in ms.items()},
                                        "flagged": flagged}, label=label)
-    print("step time over fp32's (median of rounds): " + "; ".join(
+    report("step time over fp32's (median of rounds): " + "; ".join(
         f"{k} {', '.join(f'{statistics.median(ratio[k, T]):.2f}x' for T in contexts)}"
-        for k in kinds[1:]) + f" at {' and '.join(f'{T:,}' for T in contexts)} tokens"
-        + (f"; disturbed: {', '.join(flagged)}" if flagged else ""))
+        for k in kinds[1:]) + f" at {' and '.join(f'{T:,}' for T in contexts)} tokens", flagged)
     return fig
-

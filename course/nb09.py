@@ -8,6 +8,7 @@ Each public function is one notebook cell: it measures, returns its numbers and 
 import random
 import statistics
 import time
+from functools import partial
 
 import torch
 from matplotlib.figure import Figure
@@ -15,8 +16,10 @@ from matplotlib.figure import Figure
 from kvlib import generate
 from kvlib.decoder import forward
 from kvlib.paged_cache import BlockPool, PagedCache
+from kvlib.timing import time_fn
 
-from . import plots
+from . import plots, say
+from .rounds import disturbed, report, rounds, shown
 
 BLOCK = 16  # slots per block, vLLM's default
 
@@ -66,17 +69,11 @@ def _chat_once(model, prompts, new_tokens: int, prefix_cache: bool) -> list[tupl
     return rows
 
 
-def _span(values) -> str:
-    return f"{statistics.median(values):.3f} s ({min(values):.3f}..{max(values):.3f})"
-
-
-def chat(model, prompts, new_tokens: int, rounds: int = 3) -> dict:
-    """The chat without and with the prefix cache, alternating which goes first each round."""
-    runs = {False: [], True: []}
-    for r in range(rounds):
-        for mode in (False, True) if r % 2 == 0 else (True, False):
-            runs[mode].append(_chat_once(model, prompts, new_tokens, mode))
-    out = {"prompt": [p.shape[1] for p in prompts], "rounds": rounds}
+def chat(model, prompts, new_tokens: int, rounds_n: int = 3) -> dict:
+    """The chat without and with the prefix cache, taking turns in rounds (:mod:`course.rounds`)."""
+    runs = rounds({mode: partial(_chat_once, model, prompts, new_tokens, mode)
+                   for mode in (False, True)}, rounds_n)
+    out = {"prompt": [p.shape[1] for p in prompts], "rounds": rounds_n}
     for mode, name in ((False, "plain"), (True, "cached")):
         out[f"{name}_computed"] = [row[0] for row in runs[mode][0]]
         out[f"{name}_ttft"] = [[run[t][1] for run in runs[mode]] for t in range(len(prompts))]
@@ -84,13 +81,15 @@ def chat(model, prompts, new_tokens: int, rounds: int = 3) -> dict:
                              for a, b in zip(run_a, run_b))
     last = len(prompts) - 1
     plain, cached = out["plain_ttft"][last], out["cached_ttft"][last]
-    print(f"{len(prompts)} turns, {sum(out['prompt']):,} prompt tokens: prefill computed "
-          f"{sum(out['plain_computed']):,} without the prefix cache, "
-          f"{sum(out['cached_computed']):,} with it; time to first token at turn {last + 1}: "
-          f"{_span(plain)} without, {_span(cached)} with "
-          f"({statistics.median(plain) / statistics.median(cached):.1f}x), medians of "
-          f"{rounds} rounds (min..max); "
-          f"answers identical: {out['same_tokens']}")
+    report(f"{len(prompts)} turns, {sum(out['prompt']):,} prompt tokens: prefill computed "
+           f"{sum(out['plain_computed']):,} without the prefix cache, "
+           f"{sum(out['cached_computed']):,} with it; time to first token at turn {last + 1}, "
+           f"median of {rounds_n} rounds (min..max): {shown(plain, '.3f')} s without, "
+           f"{shown(cached, '.3f')} s with "
+           f"({statistics.median(plain) / statistics.median(cached):.1f}x); answers identical: "
+           f"{out['same_tokens']}", disturbed({f"turn {t + 1} {name} (s)": v for name in
+                                                ("plain", "cached")
+                                                for t, v in enumerate(out[f"{name}_ttft"])}))
     return out
 
 
@@ -106,70 +105,76 @@ def request_mix(model, tok, systems: list[str], questions: list[str], seed: int 
         g = generate(model, ids, 1, cache=PagedCache(pool))
         g.cache.reset()
         cached, prompt = cached + g.cached_tokens, prompt + g.prompt_len
-    print(f"{len(requests)} requests ({len(systems)} system prompts x {len(questions)} questions, "
+    say(f"{len(requests)} requests ({len(systems)} system prompts x {len(questions)} questions, "
           f"shuffled): {cached:,} of {prompt:,} prompt tokens found cached, a hit rate of "
           f"{cached / prompt:.1%}")
     return {"requests": len(requests), "cached": cached, "prompt": prompt}
 
 
-def _forward_ms(model, ids, rows: int, reps: int = 5) -> float:
+def _forward_ms(model, ids, rows: int) -> float:
     """Median ms of one forward at the prompt's end over ``rows`` rows, each at its own slot as the
     verify forward runs them, cropped back after each."""
     cache = generate(model, ids, 1, max_seq=ids.shape[1] + rows).cache  # holds the prompt
     pos, feed = cache.seq_len, [ids[:, -1:]] * rows
-    times = []
-    for _ in range(reps + 1):  # the first is a warm-up
-        start = time.perf_counter()
-        forward(model, feed, [cache] * rows, [pos + i for i in range(rows)]).tolist()
-        times.append(time.perf_counter() - start)
+
+    def verify():
+        forward(model, feed, [cache] * rows, [pos + i for i in range(rows)])
         cache.crop(pos)
-    return 1e3 * statistics.median(times[1:])
+    return time_fn(verify, device=model.device, warmup=1, repeats=5).ms
 
 
-def _mid(values) -> str:
-    return f"{statistics.median(values):.1f} ({min(values):.1f}..{max(values):.1f})"
+def decode_rates(whole_s: list, first_s: list, tokens: int) -> list[float]:
+    """Tokens/s of the decode alone, a round's whole request less the median prefill and first
+    token: one slow first token cannot leave a near-zero time to divide by. A round no longer than
+    that median has no decode time to read and is left out (all of them: ``[0.0]``)."""
+    first = statistics.median(first_s)
+    return [(tokens - 1) / (t - first) for t in whole_s if t > first] or [0.0]
 
 
-def lookup(model, tasks: dict, new_tokens: int, k: int, rounds: int = 5) -> dict:
-    """Per task, plain greedy and prompt lookup (``k`` guesses) timed in alternating rounds:
-    tokens per second over the whole request (the same prefill in both) and over the decode only
-    (the time of the prefill and first token, measured in the same round, taken off); and one
-    forward at the prompt's end over 1 row against ``k + 1`` rows."""
-    out = {}
+def lookup(model, tasks: dict, new_tokens: int, k: int, rounds_n: int = 5) -> dict:
+    """Per task, plain greedy and prompt lookup (``k`` guesses) timed in rounds
+    (:mod:`course.rounds`) with the prefill and first token alone: tokens per second over the
+    whole request (the same prefill in both) and over the decode only (the median time of the
+    prefill and first token taken off); and one forward at the prompt's end over 1 row against
+    ``k + 1`` rows."""
+    out, modes = {}, {"first": (1, None), "plain": (new_tokens, None), "lookup": (new_tokens, k)}
     for name, ids in tasks.items():
-        times, gens, first = {None: [], k: []}, {}, []
-        for r in range(rounds):
+        gens = {}
+
+        def run(mode, ids=ids, gens=gens):
             start = time.perf_counter()
-            generate(model, ids, 1)
-            first.append(time.perf_counter() - start)
-            for mode in (None, k) if r % 2 == 0 else (k, None):
-                start = time.perf_counter()
-                gens[mode] = generate(model, ids, new_tokens, prompt_lookup_num_tokens=mode)
-                times[mode].append(time.perf_counter() - start)
-        g, n = gens[k], len(gens[k].tokens)
-        tps = {mode: [n / t for t in ts] for mode, ts in times.items()}
-        decode = {mode: [(n - 1) / max(t - f, 1e-9) for t, f in zip(ts, first)]
-                  for mode, ts in times.items()}
+            n, guesses = modes[mode]
+            gens[mode] = generate(model, ids, n, prompt_lookup_num_tokens=guesses)
+            return time.perf_counter() - start
+
+        times = rounds({mode: partial(run, mode) for mode in modes}, rounds_n)
+        g, n = gens["lookup"], len(gens["lookup"].tokens)
+        tps = {mode: [n / t for t in times[mode]] for mode in ("plain", "lookup")}
+        decode = {mode: decode_rates(times[mode], times["first"], n)
+                  for mode in ("plain", "lookup")}
         ms = {rows: _forward_ms(model, ids, rows) for rows in (1, k + 1)}
-        out[name] = {"plain": tps[None], "lookup": tps[k], "tokens": n,
-                     "decode_plain": decode[None], "decode_lookup": decode[k], "forward_ms": ms,
-                     "same": g.tokens == gens[None].tokens, "accepted": g.accepted,
-                     "drafted": g.drafted, "forwards": g.forwards,
+        out[name] = {"plain": tps["plain"], "lookup": tps["lookup"], "tokens": n,
+                     "decode_plain": decode["plain"], "decode_lookup": decode["lookup"],
+                     "forward_ms": ms, "same": g.tokens == gens["plain"].tokens,
+                     "accepted": g.accepted, "drafted": g.drafted, "forwards": g.forwards,
                      "per_forward": (n - 1) / g.forwards}
-        ratio = {key: statistics.median(v[k]) / statistics.median(v[None])
+        ratio = {key: statistics.median(v["lookup"]) / statistics.median(v["plain"])
                  for key, v in (("whole", tps), ("decode", decode))}
-        print(f"{name}: {n} tokens, identical {out[name]['same']}; guesses kept "
-              f"{g.accepted}/{g.drafted} over {g.forwards} forwards, "
-              f"{out[name]['per_forward']:.2f} tokens a forward; one forward at this context: "
-              f"1 row {ms[1]:.1f} ms, {k + 1} rows {ms[k + 1]:.1f} ms. Tokens/s, median of "
-              f"{rounds} rounds (min..max), whole request: plain {_mid(tps[None])}, lookup "
-              f"{_mid(tps[k])}, {ratio['whole']:.2f}x; decode only: plain {_mid(decode[None])}, "
-              f"lookup {_mid(decode[k])}, {ratio['decode']:.2f}x")
+        report(f"{name}: {n} tokens, identical {out[name]['same']}; guesses kept "
+               f"{g.accepted}/{g.drafted} over {g.forwards} forwards, "
+               f"{out[name]['per_forward']:.2f} tokens a forward; one forward at this context: "
+               f"1 row {ms[1]:.1f} ms, {k + 1} rows {ms[k + 1]:.1f} ms.\nTokens/s, median of "
+               f"{rounds_n} rounds (min..max), whole request: plain {shown(tps['plain'])}, "
+               f"lookup {shown(tps['lookup'])}, {ratio['whole']:.2f}x; decode only: plain "
+               f"{shown(decode['plain'])}, lookup {shown(decode['lookup'])}, "
+               f"{ratio['decode']:.2f}x", disturbed({f"{m} (s)": v for m, v in times.items()},
+                                                    ".3f"))
     return out
 
 
 def _bars(ax, groups: list[str], series: dict[str, list[list[float]]]) -> None:
-    """Median bars with min..max whiskers, one colour a series, groups side by side."""
+    """Median bars with min..max whiskers, one colour a series, groups side by side; headroom
+    above the tallest whisker for the legend, so that it covers no bar."""
     width = 0.8 / len(series)
     for i, (name, samples) in enumerate(series.items()):
         mid = [statistics.median(s) for s in samples]
@@ -177,20 +182,18 @@ def _bars(ax, groups: list[str], series: dict[str, list[list[float]]]) -> None:
         ax.bar(x, mid, width, label=name, yerr=[[m - min(s) for m, s in zip(mid, samples)],
                                                 [max(s) - m for m, s in zip(mid, samples)]],
                capsize=3)
-    ax.set_xticks(range(len(groups)), groups)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, axis="y")
+    ax.set_xticks(range(len(groups)), groups, fontsize=8)
+    ax.set_ylim(0, 1.3 * max(max(s) for samples in series.values() for s in samples))
+    ax.legend(fontsize=8, loc="upper left", ncols=2)
+    ax.grid(False, axis="x")
 
 
 def figure(chat_out: dict, lookup_out: dict, label: str) -> Figure:
     """Left: time to first token per turn, without and with the prefix cache. Right: tokens/s of
     plain greedy and prompt lookup per task. Medians, whiskers min..max; saved as nb09_reuse."""
-    fig = Figure(figsize=(10, 4.6))
-    fig.suptitle("Reuse: the prefix cache and prompt lookup", fontweight="bold")
-    fig.subplots_adjust(bottom=0.25, top=0.85, wspace=0.3)
-    fig.text(0.5, 0.01, label, ha="center", va="bottom", fontsize=7, color="0.35", wrap=True)
-    left, right = fig.subplots(1, 2)
-    turns = [f"turn {t + 1}\ncached run: {c} of {p}\ncomputed" for t, (c, p) in
+    fig, (left, right) = plots.figure("Reuse: the prefix cache and prompt lookup", label,
+                                      size=(10, 4.6), panels=2)
+    turns = [f"turn {t + 1}\nprefix cache:\n{c} of {p} computed" for t, (c, p) in
              enumerate(zip(chat_out["cached_computed"], chat_out["prompt"]))]
     _bars(left, turns, {"no prefix cache": chat_out["plain_ttft"],
                         "prefix cache": chat_out["cached_ttft"]})

@@ -23,7 +23,7 @@ from kvlib.budget import Budget
 from kvlib.config import GIB, MIB
 
 __all__ = ["FIGURES", "against_floor", "budget_bar", "bytes_per_step", "cumulative_bytes",
-           "gpu_reference", "load", "memory_vs_tokens", "save", "time_per_step"]
+           "figure", "gpu_reference", "load", "memory_vs_tokens", "save", "time_per_step"]
 
 # The repo's figures/, found from the package, so notebooks/ and the repo root agree.
 FIGURES = Path(__file__).resolve().parent.parent / "figures"
@@ -32,17 +32,26 @@ REGENERATE = "python -m course.bench --out figures"
 GPU_FOLDERS = (FIGURES, FIGURES / "h200")
 
 
-def _figure(title: str, label: str, xlabel: str, ylabel: str, size=(7.0, 4.0)):
-    """A titled figure with one axes; the run label sits small under the title, wrapped to the
-    figure's width (about 15 characters an inch at 8 points) so that it is never clipped."""
+def figure(title: str, label: str | None = None, xlabel: str = "", ylabel: str = "",
+           size=(7.0, 4.0), panels: int = 1, rows: int = 1, **subplots):
+    """The course's one figure: a bold title; the run's label small under it (one panel) or along
+    the foot (several), wrapped to the figure's width (about 15 characters an inch at 8 points) so
+    that it is never clipped; ``panels`` axes side by side (in ``rows`` rows), each gridded, open at
+    the top and right. ``(fig, ax)``, or ``(fig, [ax, ...])`` for several panels."""
     fig = Figure(figsize=size, layout="constrained")
     fig.suptitle(title, fontweight="bold")
-    ax = fig.add_subplot()
-    ax.set_title(textwrap.fill(label, int(15 * size[0])), fontsize=8, color="0.35")
-    ax.set(xlabel=xlabel, ylabel=ylabel)
-    ax.grid(alpha=0.3)
-    ax.spines[["top", "right"]].set_visible(False)
-    return fig, ax
+    axes = list(fig.subplots(rows, panels, squeeze=False, **subplots).flat)
+    for ax in axes:
+        ax.set(xlabel=xlabel, ylabel=ylabel)
+        ax.grid(alpha=0.3)
+        ax.spines[["top", "right"]].set_visible(False)
+    if label:
+        shown = textwrap.fill(label, int(15 * size[0]))
+        if len(axes) == 1:
+            axes[0].set_title(shown, fontsize=8, color="0.35")
+        else:
+            fig.supxlabel(shown, fontsize=8, color="0.35")
+    return fig, axes[0] if len(axes) == 1 else axes
 
 
 def _finish(fig: Figure, ax, **legend) -> Figure:
@@ -67,7 +76,7 @@ def memory_vs_tokens(rows_by_name: dict[str, dict[str, list]], label: str,
     values = [v for r in rows_by_name.values() for k in ("allocated", "reserved")
               for v in r.get(k) or []]
     scale, unit = _unit(max(values + [budget_bytes or 0]))
-    fig, ax = _figure("Memory while decoding", label, "tokens", unit)
+    fig, ax = figure("Memory while decoding", label, "tokens", unit)
     for name, rows in rows_by_name.items():
         (line,) = ax.plot(rows["tokens"], [b / scale for b in rows["allocated"]],
                           label=f"{name} allocated")
@@ -91,7 +100,7 @@ def time_per_step(series: dict[str, tuple], label: str, xlabel: str = "context (
     A series is ``(tokens, ms)`` or ``(tokens, ms, (low, high))``: the spread of the repeats, drawn
     as a band, so a difference smaller than the noise looks like one.
     """
-    fig, ax = _figure("Time per decode step", label, xlabel, "ms / step")
+    fig, ax = figure("Time per decode step", label, xlabel, "ms / step")
     for name, (tokens, ms, *spread) in series.items():
         (line,) = ax.plot(tokens, ms, "o-" if len(tokens) < 20 else "-", ms=4, label=name,
                           color=CACHE_COLORS.get(name))
@@ -107,7 +116,7 @@ def cumulative_bytes(series: dict[str, tuple[Sequence, Sequence]], label: str) -
     tokens; a
     preallocated cache stays at zero.
     """
-    fig, ax = _figure("Bytes allocated or copied, summed over steps", label, "tokens",
+    fig, ax = figure("Bytes allocated or copied, summed over steps", label, "tokens",
                       "cumulative GiB")
     for name, (tokens, per_step) in series.items():
         ax.plot(tokens, [b / GIB for b in accumulate(per_step)], label=name)
@@ -117,7 +126,7 @@ def cumulative_bytes(series: dict[str, tuple[Sequence, Sequence]], label: str) -
 def bytes_per_step(series: dict[str, tuple[Sequence, Sequence]], label: str) -> Figure:
     """Bytes one decode step allocates for the cache, against the context it runs at."""
     scale, unit = _unit(max((max(b, default=0) for _, b in series.values()), default=0))
-    fig, ax = _figure("Cache bytes allocated per decode step", label, "context (tokens)", unit)
+    fig, ax = figure("Cache bytes allocated per decode step", label, "context (tokens)", unit)
     for name, (tokens, per_step) in series.items():
         ax.plot(tokens, [b / scale for b in per_step], "o-", label=name)
     return _finish(fig, ax)
@@ -138,7 +147,7 @@ def budget_bar(budget: Budget | list[tuple[str, Budget]], context: int, label: s
     bars) nor the budget tick runs through it. A part too thin to see says so in the legend.
     """
     named = [("", budget)] if isinstance(budget, Budget) else list(budget)
-    fig, ax = _figure(f"Memory budget at {context:,} tokens", label, "GiB", "",
+    fig, ax = figure(f"Memory budget at {context:,} tokens", label, "GiB", "",
                       size=(7.0, 1.4 + 0.6 * len(named)))
     ax.set_axisbelow(True)
     widest, numbers, notes = 0.0, [], []
@@ -200,7 +209,7 @@ def _fit_bar_texts(fig: Figure, ax, numbers: list, notes: list) -> None:
 def against_floor(contexts: Sequence[int], measured_ms: Sequence[float], floor_ms: Sequence[float],
                   label: str) -> Figure:
     """Measured ms/token against the bandwidth floor, each point annotated with its MBU."""
-    fig, ax = _figure("Decode time against the bandwidth floor", label, "context (tokens)",
+    fig, ax = figure("Decode time against the bandwidth floor", label, "context (tokens)",
                       "ms / token")
     ax.plot(contexts, measured_ms, "o-", label="measured")
     ax.plot(contexts, floor_ms, "--", color="0.3", label="floor: bytes / bandwidth")

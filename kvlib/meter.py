@@ -17,13 +17,11 @@ from torch.utils._pytree import tree_leaves
 
 from .budget import meta_model
 from .cache import Cache
-from .cat_cache import CatCache
 from .decoder import forward
 from .graphs import StaticStep
 from .kv_cache import KVCache
 
-__all__ = ["AllocMeter", "MeteredCache", "cache_bytes_per_step", "count_kernels",
-           "decode_kernels", "new_storages"]
+__all__ = ["AllocMeter", "MeteredCache", "count_kernels", "decode_kernels", "fill", "new_storages"]
 
 ONE_KERNEL = {F.scaled_dot_product_attention: "sdpa", F.rms_norm: "rms_norm"}  # fused on CUDA
 NO_KERNEL = {getattr(torch.ops.aten, op).default for op in (  # memory or metadata only
@@ -114,22 +112,15 @@ class MeteredCache:
         return f"MeteredCache({self.cache!r})"
 
 
-def cache_bytes_per_step(model, context: int, kind: str) -> int:
-    """Bytes the cache allocates in the decode step that writes slot ``context``, after
-    ``context`` slots of zeros: what a step allocates depends on how much the cache holds."""
-    config, device, dtype = model.config, model.device, model.dtype
-    if kind == "prealloc":
-        cache = KVCache.for_model(config, context + 1, device=device, dtype=dtype)
-    else:
-        cache = CatCache.for_model(config, device=device, dtype=dtype)
-        zeros = torch.zeros(context, cache.n_kv_heads, cache.head_dim, device=device, dtype=dtype)
-        for layer in range(cache.n_layers):
-            cache.write(layer, 0, zeros, zeros)
-    cache.seq_len = context
-    token = torch.zeros(1, 1, dtype=torch.long, device=device)
-    with AllocMeter() as meter:
-        forward(model, token, MeteredCache(cache, meter), context)
-    return meter.by_region.get("cache", 0)
+def fill(cache, upto: int, layers: int | None = None) -> None:
+    """Zeros into slots ``seq_len..upto`` of the first ``layers`` layers (all by default): a cache
+    as ``upto`` tokens leave it, to measure the step after (values change no byte or kernel)."""
+    if upto > cache.seq_len:
+        zeros = torch.zeros(upto - cache.seq_len, cache.n_kv_heads, cache.head_dim,
+                            dtype=cache.dtype, device=cache.device)
+        for layer in range(cache.n_layers if layers is None else layers):
+            cache.write(layer, cache.seq_len, zeros, zeros)
+    cache.seq_len = upto
 
 
 class _Kernels(TorchDispatchMode):

@@ -19,12 +19,11 @@ from .config import GIB, MIB, kv_bytes_per_token, size
 from .decoder import check_supported, forward
 from .kv_cache import KVCache
 from .memory import largest
-from .meter import MeteredCache, new_storages
+from .meter import MeteredCache, fill, new_storages
 
 __all__ = ["Ledger", "Run", "fits_context", "longest_context", "simulate"]
 
 COMPOSITE = torch._C.DispatchKey.CompositeExplicitAutograd
-TAIL_STEPS = 2  # decode steps a tail run keeps: the last ones, which hold the most
 
 
 def _weights(model) -> int:
@@ -149,18 +148,23 @@ class Run:
                 f"{self.kernels}{'' if self.fits else ', OOM'})")
 
 
+CACHES = {"prealloc": lambda config, n, **kw: KVCache.for_model(config, n, **kw),
+          "cat": lambda config, n, **kw: CatCache.for_model(config, **kw)}
+
+
 @torch.no_grad()
-def simulate(model, context: int, *, cache: str = "prealloc", card: Card | str = "12 GiB",
+def simulate(model, context: int, *, cache="prealloc", card: Card | str = "12 GiB",
              budget: int | None = None, attention: str = "auto", prefill_chunk: int = 512,
              decode: int = 4, tail: bool = False, batch: int = 1) -> Run:
     """Prefill ``context - decode`` tokens in chunks, then ``decode`` steps, on a simulated card
     (``model``: a config, its name, or a model on ``meta``), for ``batch`` requests packed as the
-    loop packs them. ``card`` gives the budget and the sm that picks the attention kernels.
+    loop packs them. ``cache``: ``"prealloc"``, ``"cat"``, or ``make(config, context, device=,
+    dtype=)`` returning any cache. ``card`` gives the budget and the sm that picks the kernels.
     ``tail`` runs only the last two chunks and decode steps, from the state before them: the same
     peak, since earlier steps hold less, in a fraction of the time."""
-    if attention not in ("auto", "fused", "math") or cache not in ("prealloc", "cat"):
-        raise ValueError(f"attention must be auto/fused/math and cache prealloc/cat, "
-                         f"not {attention!r}, {cache!r}")
+    if attention not in ("auto", "fused", "math") or not callable(CACHES.get(cache, cache)):
+        raise ValueError(f"attention must be auto/fused/math and cache prealloc/cat or a function "
+                         f"making one, not {attention!r}, {cache!r}")
     if not 0 < decode < context:
         raise ValueError(f"need 0 < decode < context, got decode={decode} context={context}")
     model = meta_model(model)
@@ -170,7 +174,7 @@ def simulate(model, context: int, *, cache: str = "prealloc", card: Card | str =
     kernels = Kernels(ledger, 9.0 if attention == "fused" else target.sm, attention)
     prompt = context - decode
     chunks = list(range(0, prompt, prefill_chunk))[-2 if tail else 0:]
-    steps = list(range(prompt, context))[-TAIL_STEPS if tail else 0:]
+    steps = list(range(prompt, context))[-2 if tail else 0:]  # the last steps hold the most
     named = {m: "mlp" if n.endswith(".mlp") else "logits" for n, m in model.named_modules()
              if n.endswith(".mlp") or n == "lm_head"}
     hooks = [h for m, r in named.items() for h in (
@@ -178,15 +182,12 @@ def simulate(model, context: int, *, cache: str = "prealloc", card: Card | str =
         m.register_forward_hook(lambda *_: ledger.pop()))]
     oom, logits = None, None
 
-    def fill(upto: int) -> None:  # the cache as the skipped steps leave it, and their last logits
+    def skip(upto: int) -> None:  # the cache as the skipped steps leave it, and their last logits
         nonlocal logits
         with ledger.region(counted=False):
             for kv in kvs if upto > kvs[0].seq_len else ():
-                k = torch.empty(upto - kv.seq_len, kv.n_kv_heads, kv.head_dim, dtype=dtype,
-                                device=meta)
-                for layer in range(kv.n_layers):
-                    kv.write(layer, kv.seq_len, k, k)
-                kv.seq_len = ledger.tokens = upto
+                fill(kv, upto)
+                ledger.tokens = upto
             if logits is None and upto:
                 logits = torch.empty(batch, config.vocab_size, dtype=dtype, device=meta)
 
@@ -194,16 +195,15 @@ def simulate(model, context: int, *, cache: str = "prealloc", card: Card | str =
         with ledger, kernels:
             ids = torch.zeros(batch, prompt, dtype=torch.long, device=meta)
             with ledger.region("cache"):
-                kvs = [MeteredCache(KVCache.for_model(config, context, device=meta, dtype=dtype)
-                                    if cache == "prealloc" else
-                                    CatCache.for_model(config, device=meta, dtype=dtype), ledger)
+                kvs = [MeteredCache(CACHES.get(cache, cache)(config, context, device=meta,
+                                                             dtype=dtype), ledger)
                        for _ in range(batch)]
-            fill(chunks[0])
+            skip(chunks[0])
             for s in chunks:  # lists, as the loop calls it: the ids of a batch are packed
                 logits = forward(model, list(ids[:, s : s + prefill_chunk].split(1)), kvs,
                                  [s] * batch)
                 ledger.mark(kvs[0].seq_len)
-            fill(steps[0])
+            skip(steps[0])
             for pos in steps:
                 logits = forward(model, list(logits.argmax(-1, keepdim=True).split(1)), kvs,
                                  [pos] * batch)
@@ -213,8 +213,8 @@ def simulate(model, context: int, *, cache: str = "prealloc", card: Card | str =
     finally:
         for h in hooks:
             h.remove()
-    return Run(context, prompt, cache, ledger.budget, ledger.peak, ledger.at_peak, ledger.timeline,
-               kernels.counts, oom)
+    return Run(context, prompt, getattr(cache, "__qualname__", cache), ledger.budget, ledger.peak,
+               ledger.at_peak, ledger.timeline, kernels.counts, oom)
 
 
 def fits_context(model, context: int, *, prefill_chunk: int = 512, decode: int = 4, **kw) -> bool:

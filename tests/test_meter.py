@@ -157,3 +157,18 @@ def test_meter_agrees_with_the_cuda_allocator_for_a_cat():
     with AllocMeter() as m:
         c = torch.cat([a, b])
     assert m.total == torch.cuda.memory_allocated() - before == c.numel() * 4
+
+
+def test_fill_writes_zeros_from_seq_len_to_upto_in_the_layers_asked():
+    from kvlib import KVCache
+    from kvlib.meter import fill
+
+    cache = KVCache(2, 8, 1, 2, device="cpu", dtype=torch.float32)
+    cache.k.fill_(7)
+    cache.seq_len = 2
+    fill(cache, 5)
+    k = [cache.view(layer, 8)[0][0, 0, :, 0].tolist() for layer in range(2)]  # [1, H, 8, D]
+    assert cache.seq_len == 5 and k[0] == k[1] == [7, 7, 0, 0, 0, 7, 7, 7]
+    fill(cache, 6, layers=1)
+    assert cache.seq_len == 6 and cache.view(0, 8)[0][0, 0, 5, 0] == 0
+    assert cache.view(1, 8)[0][0, 0, 5, 0] == 7  # layer 1 not asked for

@@ -158,3 +158,22 @@ def test_a_gpu_reference_is_the_first_run_made_on_a_gpu(tmp_path, monkeypatch):
                directory=gpu)
     assert plots.gpu_reference("bench") == ({"ms": 2}, h200, gpu)
     assert plots.gpu_reference("gpu_longest") is None
+
+
+def test_every_course_figure_is_built_by_the_one_public_helper():
+    """One look: no module of course/ makes its own Figure or calls a private plots helper."""
+    course = Path(plots.__file__).parent
+    own = [f"{p.name}:{i}" for p in sorted(course.glob("*.py")) if p.name != "plots.py"
+           for i, line in enumerate(p.read_text().splitlines(), 1)
+           if "Figure(" in line or "plots._" in line]
+    assert own == []
+
+
+@pytest.mark.parametrize("panels", [1, 2])
+def test_the_figure_helper_shows_the_label_wrapped_to_the_width(panels, tmp_path):
+    label = "where it ran · " + " ".join(["a long label"] * 20)
+    fig, axes = plots.figure("title", label, "x", "y", size=(6, 3), panels=panels)
+    assert len(fig.axes) == panels
+    plots.save(fig, "helper", {}, label, tmp_path)  # refuses a figure that does not show its label
+    text = fig.axes[0].get_title() if panels == 1 else fig._supxlabel.get_text()
+    assert max(map(len, text.splitlines())) <= 15 * 6 and " ".join(text.split()) == label

@@ -254,3 +254,16 @@ def test_predicted_ms_per_token_is_the_floor_and_cat_moves_its_cache_twice_more(
         1e3 * (decode_bytes(config, BF16, 8192) + 2 * kv) / 3.35e12)
 
 
+
+
+def test_any_cache_runs_from_a_factory_and_an_unknown_name_is_refused(tiny):
+    from kvlib import QuantCache
+
+    kw = dict(budget=GIB, prefill_chunk=64, decode=6, attention="fused")
+    r = simulate(tiny, 300, cache=QuantCache.for_model, **kw)
+    held = QuantCache.for_model(tiny.config, 300, device=META, dtype=BF16).nbytes
+    assert r.cache == "QuantCache.for_model" and r.fits
+    assert held <= r.at_peak["cache"] < 300 * kv_bytes_per_token(tiny.config, BF16)  # int8 codes
+    assert simulate(tiny, 300, cache=QuantCache.for_model, tail=True, **kw).peak == r.peak
+    with pytest.raises(ValueError, match="'slab'"):
+        simulate(tiny, 300, cache="slab")
