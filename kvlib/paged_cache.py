@@ -7,11 +7,13 @@ gathers the blocks, a copy only a kernel reading the table removes. :meth:`Paged
 blocks (reference counts, copy on write): a shared prefix is stored once.
 
 With ``prefix_cache=True`` the pool also shares prefixes between requests that arrive apart: the
-same tokens at the same positions give the same K and V, so a full block is keyed by its parent (the
-cached block before it, itself found by its parent) and its own tokens: equal keys, equal prefixes.
-A new request holds the longest chain of cached blocks its prompt starts with, and a finished
-request's blocks stay cached, held by nobody, until the pool needs them (least recently used
-first). A cached block is never written: a write copies it."""
+same tokens at the same positions give the same K and V. A new request holds the longest chain of
+cached full blocks its prompt starts with; a finished request's blocks stay cached, held by nobody,
+until the pool needs them (least recently used first). The prefix index promises: a key (parent,
+tokens) names the exact prefix its block holds, as a parent (block id, times keyed) names one; a
+held block is never evicted, a cached one never written (a write copies it); a live request's
+``remember`` never fails. A key whose parent is evicted stays true, unreachable: its holder's next
+``remember`` keys its block again on the live chain; an idle one is evicted in its turn."""
 
 from collections import OrderedDict
 
@@ -118,9 +120,7 @@ class PagedCache:
 
     def reset(self) -> None:
         """The request is done: its blocks go back to the pool (a shared one with its last)."""
-        self.pool.release(self.table)
-        self.table, self.seq_len, self.tokens = [], 0, []
-        self._span, self._index = None, self._index[:0]
+        self.crop(0)
 
     def crop(self, seq_len: int) -> None:
         """Keep the first ``seq_len`` slots; the blocks past them go back to the pool."""
@@ -163,8 +163,8 @@ class PagedCache:
         return self.seq_len
 
     def remember(self, tokens: list[int], start: int = 0) -> None:
-        """``tokens`` are those of slots ``start..``: cache every full block of known slots that is
-        not cached yet (an equal block cached by another request stays the one found)."""
+        """``tokens`` are those of slots ``start..``: key each full block of known slots on the
+        chain a new request follows (through an equal block keyed first, which it need not hold)."""
         if start > len(self.tokens):
             return  # slots nobody named lie before them: their blocks cannot be keyed
         self.tokens[start:] = tokens
@@ -172,10 +172,11 @@ class PagedCache:
         full = min(len(self.tokens), self.seq_len) // pool.block if pool.prefix_cache else 0
         for i in range(full):
             key, b = self._key(parent, i, self.tokens), self.table[i]
-            if b not in pool.key_of and key not in pool.cached:
-                pool.cached[key], pool.key_of[b] = b, key
-                pool.epoch[b] += 1
-            parent = (pool.cached[key], pool.epoch[pool.cached[key]])  # an equal block's, if not b
+            if (found := pool.cached.get(key)) is None:
+                pool.cached.pop(pool.key_of.get(b), None)  # keyed onto a parent since evicted
+                found = pool.cached[key] = b
+                pool.key_of[b], pool.epoch[b] = key, pool.epoch[b] + 1
+            parent = (found, pool.epoch[found])
 
     def _prepare(self, start: int, end: int) -> None:
         """Before a step's first write: blocks up to ``end``, private uncached ones for the slots
@@ -219,6 +220,5 @@ class PagedCache:
                      for t in (self.pool.k, self.pool.v))
 
     def __repr__(self) -> str:
-        pool = self.pool
-        return (f"PagedCache(seq_len={self.seq_len}, {len(self.table)} blocks of {pool.block} "
-                f"slots, {size(self.nbytes)}; pool {pool.used}/{pool.n_blocks} used)")
+        return (f"PagedCache(seq_len={self.seq_len}, {len(self.table)} blocks of {self.pool.block} "
+                f"slots, {size(self.nbytes)}; pool {self.pool.used}/{self.pool.n_blocks} used)")
