@@ -64,9 +64,7 @@ class BlockPool:
     available = property(lambda self: len(self.free) + len(self.idle))  # idle ones by eviction
 
     def allocate(self) -> int:
-        """A block for one holder: a free one, else the least recently used idle one, evicted."""
-        if not self.available:
-            raise OutOfBlocks(f"out of KV blocks: all {self.n_blocks} of {self.block} slots held")
+        """A free block, else the least recently used idle one, evicted (callers check it fits)."""
         if self.free:
             b = self.free.pop()
         else:
@@ -102,9 +100,8 @@ class BlockPool:
 
 
 class PagedCache:
-    """One request: a block table into a shared :class:`BlockPool`. ``max_seq`` is the whole pool,
-    the most one request could get; a write that finds too few blocks raises :class:`OutOfBlocks`.
-    ``tokens``: the token ids of its slots as far as the loop said (for the prefix cache)."""
+    """One request: a block table into a shared :class:`BlockPool`; ``max_seq``, the whole pool,
+    is the most it could get. ``tokens``: its slots' token ids as far as the loop said."""
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool, self.table, self.seq_len, self.max_seq = pool, [], 0, pool.n_blocks * pool.block
@@ -147,20 +144,24 @@ class PagedCache:
     def reuse(self, tokens: list[int]) -> int:
         """An empty request about to run ``tokens``: hold the longest chain of cached full blocks
         they start with (one token at least is left to compute: its logits pick the next token);
-        return how many slots those hold. They are this request's slots ``0..`` now."""
-        pool, parent = self.pool, None
+        return how many slots those hold, this request's slots ``0..`` now. Too few blocks for
+        the rest of ``tokens``: :class:`OutOfBlocks`, before any block is held."""
+        pool, parent, chain = self.pool, None, []
         if self.seq_len or not pool.prefix_cache:
             return 0
         for i in range((len(tokens) - 1) // pool.block):
             if (b := pool.cached.get(self._key(parent, i, tokens))) is None:
                 break
-            pool.hold(b)
-            self.table.append(b)
+            chain.append(b)
             parent = (b, pool.epoch[b])
-        self._index = torch.tensor(self.table, dtype=torch.long, device=self.device)
-        self.seq_len = len(self.table) * self.pool.block
-        self.tokens = list(tokens[: self.seq_len])
-        return self.seq_len
+        n = len(chain) * pool.block  # held idle blocks are no longer available
+        self._enough(n, len(tokens), -((n - len(tokens)) // pool.block), len(chain),
+                     pool.available - len(pool.idle.keys() & chain))
+        for b in chain:
+            pool.hold(b)
+        self.table, self.seq_len, self.tokens = chain, n, list(tokens[:n])
+        self._index = torch.tensor(chain, dtype=torch.long, device=self.device)
+        return n
 
     def remember(self, tokens: list[int], start: int = 0) -> None:
         """``tokens`` are those of slots ``start..``: key each full block of known slots on the
@@ -178,6 +179,13 @@ class PagedCache:
                 pool.key_of[b], pool.epoch[b] = key, pool.epoch[b] + 1
             parent = (found, pool.epoch[found])
 
+    def _enough(self, start: int, end: int, needed: int, held: int, available: int) -> None:
+        if needed > available:
+            raise OutOfBlocks(f"out of KV blocks (slots {start}..{end}, {held} blocks held): "
+                              f"{needed} needed, {available} of {self.pool.n_blocks} blocks of "
+                              f"{self.pool.block} slots free; reset() finished requests or make "
+                              f"the pool bigger")
+
     def _prepare(self, start: int, end: int) -> None:
         """Before a step's first write: blocks up to ``end``, private uncached ones for the slots
         written. All or nothing: too few blocks change nothing."""
@@ -185,11 +193,7 @@ class PagedCache:
         new = max(0, -(-end // blk) - len(table))
         copies = [i for i in range(start // blk, min(len(table), -(-end // blk)))
                   if pool.refs[table[i]] > 1 or table[i] in pool.key_of]
-        if new + len(copies) > pool.available:
-            raise OutOfBlocks(f"out of KV blocks (slots {start}..{end}, {len(table)} blocks held): "
-                              f"{new + len(copies)} needed, {pool.available} of {pool.n_blocks} "
-                              f"blocks of {blk} slots free; reset() finished requests or make the "
-                              f"pool bigger")
+        self._enough(start, end, new + len(copies), len(table), pool.available)
         for i in copies:
             table[i] = pool.copy(table[i])
         table += [pool.allocate() for _ in range(new)]
@@ -199,11 +203,7 @@ class PagedCache:
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """``[n, Hkv, D]`` into slots ``start..start+n``: one scatter into the request's blocks."""
-        if (end := start + k.shape[0]) > self.max_seq:
-            raise ValueError(f"KV overflow: writing slots {start}..{end} into a pool of "
-                             f"{self.pool.n_blocks} blocks x {self.pool.block} = {self.max_seq} "
-                             f"slots")
-        check_kv(self, layer, start, k, v)
+        end = check_kv(self, layer, start, k, v)  # max_seq: the whole pool
         if layer == 0 or self._span != (start, end):  # a step writes layer 0 first
             self._prepare(start, end)
         blocks, offsets = self._where
