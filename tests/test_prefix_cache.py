@@ -127,6 +127,9 @@ def test_running_out_of_blocks_changes_neither_the_pool_nor_any_other_request():
     new = PagedCache(pool)
     with pytest.raises(OutOfBlocks, match=r"\(slots 0\.\.30, 0 blocks held\): 8 needed, 3 of 8"):
         generate(model_of(), ids(30, seed=8), 2, cache=new, eos_token_id=None)
+    hit = torch.cat([SYSTEM, ids(19, seed=8)], 1)  # finds the 2 blocks live holds, then runs out
+    with pytest.raises(OutOfBlocks, match=r"\(slots 8\.\.30, 2 blocks held\): 6 needed, 3 of 8"):
+        generate(model_of(), hit, 2, cache=new, eos_token_id=None)
     after = (list(pool.free), list(pool.refs), dict(pool.cached), list(pool.idle),
              list(live.cache.table), live.cache.seq_len, pool.k.clone())
     assert all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
