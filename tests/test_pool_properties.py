@@ -44,11 +44,14 @@ FILLER = torch.randint(0, VOCAB, (64,), generator=_draw).tolist()  # makes a pro
 TOKENS = st.lists(st.integers(0, VOCAB - 1), max_size=6)
 PICK = st.integers(0, 999)  # which live request, modulo how many there are
 MODEL = tiny_model("llama")
+# kvlib and transformers add in other orders (a prefix cached from another request's chunks); a
+# wrong prefix's K and V differ by about their own size
+CLOSE = dict(rtol=1e-4, atol=1e-4)
 RUNS = Counter()  # programs and operations tried, by kind: the figures the issue asks for
 
-FAST = settings(max_examples=50, stateful_step_count=15, deadline=None, derandomize=True,
+FAST = settings(max_examples=35, stateful_step_count=15, deadline=None, derandomize=True,
                 database=None, suppress_health_check=[HealthCheck.too_slow])
-SLOW = settings(FAST, max_examples=100, stateful_step_count=30)
+SLOW = settings(FAST, max_examples=80, stateful_step_count=30)
 
 
 class Request:
@@ -139,7 +142,7 @@ class PoolPrograms(RuleBasedStateMachine):
             assert len(c.table) == -(-n // blk)
             now = [torch.cat(c.view(layer, n)) for layer in range(c.n_layers)]
             if n:
-                torch.testing.assert_close(torch.stack(now), self.reference(r.history))
+                torch.testing.assert_close(torch.stack(now), self.reference(r.history), **CLOSE)
             if id(r) in before:
                 keep = kept if r is touched else n
                 assert all(torch.equal(a[..., :keep, :], b[..., :keep, :])
@@ -148,7 +151,7 @@ class PoolPrograms(RuleBasedStateMachine):
             prefix = self.prefix_of(key)
             assert len(prefix) % blk == 0 and len(key[1]) == blk
             block = torch.stack([pool.k[:, :, b], pool.v[:, :, b]], 1)  # [L, 2, Hkv, blk, D]
-            torch.testing.assert_close(block, self.reference(prefix)[..., -blk:, :])
+            torch.testing.assert_close(block, self.reference(prefix)[..., -blk:, :], **CLOSE)
             serial = (b, pool.epoch[b])
             assert self.serials.setdefault(serial, prefix) == prefix, f"{serial} changed prefix"
 
@@ -217,6 +220,17 @@ class PoolPrograms(RuleBasedStateMachine):
         self.check(before, r, n)
 
     @precondition(lambda self: self.live)
+    @rule(pick=PICK, to=st.integers(0, 999), new=st.integers(1, 4))
+    def redo(self, pick, to, new):
+        """Back to slot ``to``, then the same tokens again (as a rejected draft's rollback does):
+        its new blocks equal the ones it dropped, which the prefix index may still hold."""
+        r = self.live[pick % len(self.live)]
+        n = to % (r.cache.seq_len + 1)
+        again = r.history[n:] + r.pending
+        self.crop(pick, n)
+        self.turn(r, again or [0], new)
+
+    @precondition(lambda self: self.live)
     @rule(pick=PICK)
     def reset(self, pick):
         before, r = self.reads(), self.live.pop(pick % len(self.live))
@@ -268,4 +282,17 @@ def test_a_prompt_refused_after_a_prefix_hit_holds_no_block():
     state.make_pool(n_blocks=4, prefix_cache=True, block=2)
     state.start(cut=3, long=False, new=1, pick=0, source="system", suffix=[])
     state.start(cut=21, long=True, new=1, pick=0, source="chat", suffix=[])
+    state.teardown()
+
+
+def test_a_redone_turn_chained_onto_its_own_evicted_block_keeps_its_next_turn():
+    # issue 33's item 2, as hypothesis found it: the redone blocks chain onto the idle ones they
+    # equal; those are evicted; the next remember raised KeyError and lost the turn
+    state = PoolPrograms()
+    state.make_pool(n_blocks=14, prefix_cache=True, block=2)
+    state.start(cut=0, long=True, new=1, pick=0, source="fresh", suffix=[])
+    state.chat(new=1, pick=0, suffix=[])
+    state.crop(pick=0, to=776)
+    state.redo(new=1, pick=0, to=971)
+    state.redo(new=1, pick=0, to=14)
     state.teardown()
