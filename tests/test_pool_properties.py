@@ -51,7 +51,7 @@ RUNS = Counter()  # programs and operations tried, by kind: the figures the issu
 
 FAST = settings(max_examples=35, stateful_step_count=15, deadline=None, derandomize=True,
                 database=None, suppress_health_check=[HealthCheck.too_slow])
-SLOW = settings(FAST, max_examples=80, stateful_step_count=30)
+SLOW = settings(FAST, max_examples=150, stateful_step_count=30)
 
 
 class Request:
