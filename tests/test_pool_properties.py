@@ -3,8 +3,9 @@ the prefix cache, every operation checked against transformers and against a sna
 
 A program (a hypothesis state machine) starts requests -- fresh, on a system prompt cut at a block
 boundary or not, or on an earlier chat resent -- runs further chat turns on live ones, forks, crops
-and resets them, and asks for more blocks than the pool has (a prompt, after a prefix hit too, or a
-direct write); small pools make it evict. After every operation:
+(and redoes: crop, then the same tokens again) and resets them, and asks for more blocks than the
+pool has (a prompt, after a prefix hit too, or a direct write); small pools make it evict. After
+every operation:
 
 - a block's reference count is the number of live block tables holding it; free, held and idle
   blocks are disjoint and make up the pool; a request holds its slots rounded up to a block;
@@ -12,7 +13,8 @@ direct write); small pools make it evict. After every operation:
   the slots it kept: nothing a live request holds is freed, evicted or overwritten;
 - every live request holds transformers' K and V for its own tokens, and every prefix-index entry
   transformers' K and V for the token prefix its key names;
-- a refused call leaves the pool and every request exactly as they were, byte for byte;
+- a refused prompt or write leaves the pool and every request exactly as they were, byte for byte
+  (a request that runs out in a decode step has lost the turn: the program resets it);
 - every turn's tokens equal transformers' greedy ``generate`` over the request's whole history.
 
 Runs are derandomized (the same programs in CI and here); the slow test runs more, longer ones. A
