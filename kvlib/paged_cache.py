@@ -7,11 +7,13 @@ gathers the blocks, a copy only a kernel reading the table removes. :meth:`Paged
 blocks (reference counts, copy on write): a shared prefix is stored once.
 
 With ``prefix_cache=True`` the pool also shares prefixes between requests that arrive apart: the
-same tokens at the same positions give the same K and V, so a full block is keyed by its parent (the
-cached block before it, itself found by its parent) and its own tokens: equal keys, equal prefixes.
-A new request holds the longest chain of cached blocks its prompt starts with, and a finished
-request's blocks stay cached, held by nobody, until the pool needs them (least recently used
-first). A cached block is never written: a write copies it."""
+same tokens at the same positions give the same K and V. A new request holds the longest chain of
+cached full blocks its prompt starts with; a finished request's blocks stay cached, held by nobody,
+until the pool needs them (least recently used first). The prefix index promises: a key (parent,
+tokens) names the exact prefix its block holds, as a parent (block id, times keyed) names one; a
+held block is never evicted, a cached one never written (a write copies it); a live request's
+``remember`` never fails. A key whose parent is evicted stays true, unreachable: its holder's next
+``remember`` keys its block again on the live chain; an idle one is evicted in its turn."""
 
 from collections import OrderedDict
 
@@ -62,9 +64,7 @@ class BlockPool:
     available = property(lambda self: len(self.free) + len(self.idle))  # idle ones by eviction
 
     def allocate(self) -> int:
-        """A block for one holder: a free one, else the least recently used idle one, evicted."""
-        if not self.available:
-            raise OutOfBlocks(f"out of KV blocks: all {self.n_blocks} of {self.block} slots held")
+        """A free block, else the least recently used idle one, evicted (callers check it fits)."""
         if self.free:
             b = self.free.pop()
         else:
@@ -100,9 +100,8 @@ class BlockPool:
 
 
 class PagedCache:
-    """One request: a block table into a shared :class:`BlockPool`. ``max_seq`` is the whole pool,
-    the most one request could get; a write that finds too few blocks raises :class:`OutOfBlocks`.
-    ``tokens``: the token ids of its slots as far as the loop said (for the prefix cache)."""
+    """One request: a block table into a shared :class:`BlockPool`; ``max_seq``, the whole pool,
+    is the most it could get. ``tokens``: its slots' token ids as far as the loop said."""
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool, self.table, self.seq_len, self.max_seq = pool, [], 0, pool.n_blocks * pool.block
@@ -118,9 +117,7 @@ class PagedCache:
 
     def reset(self) -> None:
         """The request is done: its blocks go back to the pool (a shared one with its last)."""
-        self.pool.release(self.table)
-        self.table, self.seq_len, self.tokens = [], 0, []
-        self._span, self._index = None, self._index[:0]
+        self.crop(0)
 
     def crop(self, seq_len: int) -> None:
         """Keep the first ``seq_len`` slots; the blocks past them go back to the pool."""
@@ -147,24 +144,28 @@ class PagedCache:
     def reuse(self, tokens: list[int]) -> int:
         """An empty request about to run ``tokens``: hold the longest chain of cached full blocks
         they start with (one token at least is left to compute: its logits pick the next token);
-        return how many slots those hold. They are this request's slots ``0..`` now."""
-        pool, parent = self.pool, None
+        return how many slots those hold, this request's slots ``0..`` now. Too few blocks for
+        the rest of ``tokens``: :class:`OutOfBlocks`, before any block is held."""
+        pool, parent, chain = self.pool, None, []
         if self.seq_len or not pool.prefix_cache:
             return 0
         for i in range((len(tokens) - 1) // pool.block):
             if (b := pool.cached.get(self._key(parent, i, tokens))) is None:
                 break
-            pool.hold(b)
-            self.table.append(b)
+            chain.append(b)
             parent = (b, pool.epoch[b])
-        self._index = torch.tensor(self.table, dtype=torch.long, device=self.device)
-        self.seq_len = len(self.table) * self.pool.block
-        self.tokens = list(tokens[: self.seq_len])
-        return self.seq_len
+        n = len(chain) * pool.block  # held idle blocks are no longer available
+        self._enough(n, len(tokens), -((n - len(tokens)) // pool.block), len(chain),
+                     pool.available - len(pool.idle.keys() & chain))
+        for b in chain:
+            pool.hold(b)
+        self.table, self.seq_len, self.tokens = chain, n, list(tokens[:n])
+        self._index = torch.tensor(chain, dtype=torch.long, device=self.device)
+        return n
 
     def remember(self, tokens: list[int], start: int = 0) -> None:
-        """``tokens`` are those of slots ``start..``: cache every full block of known slots that is
-        not cached yet (an equal block cached by another request stays the one found)."""
+        """``tokens`` are those of slots ``start..``: key each full block of known slots on the
+        chain a new request follows (through an equal block keyed first, which it need not hold)."""
         if start > len(self.tokens):
             return  # slots nobody named lie before them: their blocks cannot be keyed
         self.tokens[start:] = tokens
@@ -172,10 +173,18 @@ class PagedCache:
         full = min(len(self.tokens), self.seq_len) // pool.block if pool.prefix_cache else 0
         for i in range(full):
             key, b = self._key(parent, i, self.tokens), self.table[i]
-            if b not in pool.key_of and key not in pool.cached:
-                pool.cached[key], pool.key_of[b] = b, key
-                pool.epoch[b] += 1
-            parent = (pool.cached[key], pool.epoch[pool.cached[key]])  # an equal block's, if not b
+            if (found := pool.cached.get(key)) is None:
+                pool.cached.pop(pool.key_of.get(b), None)  # keyed onto a parent since evicted
+                found = pool.cached[key] = b
+                pool.key_of[b], pool.epoch[b] = key, pool.epoch[b] + 1
+            parent = (found, pool.epoch[found])
+
+    def _enough(self, start: int, end: int, needed: int, held: int, available: int) -> None:
+        if needed > available:
+            raise OutOfBlocks(f"out of KV blocks (slots {start}..{end}, {held} blocks held): "
+                              f"{needed} needed, {available} of {self.pool.n_blocks} blocks of "
+                              f"{self.pool.block} slots free; reset() finished requests or make "
+                              f"the pool bigger")
 
     def _prepare(self, start: int, end: int) -> None:
         """Before a step's first write: blocks up to ``end``, private uncached ones for the slots
@@ -184,11 +193,7 @@ class PagedCache:
         new = max(0, -(-end // blk) - len(table))
         copies = [i for i in range(start // blk, min(len(table), -(-end // blk)))
                   if pool.refs[table[i]] > 1 or table[i] in pool.key_of]
-        if new + len(copies) > pool.available:
-            raise OutOfBlocks(f"out of KV blocks (slots {start}..{end}, {len(table)} blocks held): "
-                              f"{new + len(copies)} needed, {pool.available} of {pool.n_blocks} "
-                              f"blocks of {blk} slots free; reset() finished requests or make the "
-                              f"pool bigger")
+        self._enough(start, end, new + len(copies), len(table), pool.available)
         for i in copies:
             table[i] = pool.copy(table[i])
         table += [pool.allocate() for _ in range(new)]
@@ -198,11 +203,7 @@ class PagedCache:
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """``[n, Hkv, D]`` into slots ``start..start+n``: one scatter into the request's blocks."""
-        if (end := start + k.shape[0]) > self.max_seq:
-            raise ValueError(f"KV overflow: writing slots {start}..{end} into a pool of "
-                             f"{self.pool.n_blocks} blocks x {self.pool.block} = {self.max_seq} "
-                             f"slots")
-        check_kv(self, layer, start, k, v)
+        end = check_kv(self, layer, start, k, v)  # max_seq: the whole pool
         if layer == 0 or self._span != (start, end):  # a step writes layer 0 first
             self._prepare(start, end)
         blocks, offsets = self._where
@@ -219,6 +220,5 @@ class PagedCache:
                      for t in (self.pool.k, self.pool.v))
 
     def __repr__(self) -> str:
-        pool = self.pool
-        return (f"PagedCache(seq_len={self.seq_len}, {len(self.table)} blocks of {pool.block} "
-                f"slots, {size(self.nbytes)}; pool {pool.used}/{pool.n_blocks} used)")
+        return (f"PagedCache(seq_len={self.seq_len}, {len(self.table)} blocks of {self.pool.block} "
+                f"slots, {size(self.nbytes)}; pool {self.pool.used}/{self.pool.n_blocks} used)")

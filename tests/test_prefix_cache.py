@@ -127,6 +127,9 @@ def test_running_out_of_blocks_changes_neither_the_pool_nor_any_other_request():
     new = PagedCache(pool)
     with pytest.raises(OutOfBlocks, match=r"\(slots 0\.\.30, 0 blocks held\): 8 needed, 3 of 8"):
         generate(model_of(), ids(30, seed=8), 2, cache=new, eos_token_id=None)
+    hit = torch.cat([SYSTEM, ids(19, seed=8)], 1)  # finds the 2 blocks live holds, then runs out
+    with pytest.raises(OutOfBlocks, match=r"\(slots 8\.\.30, 2 blocks held\): 6 needed, 3 of 8"):
+        generate(model_of(), hit, 2, cache=new, eos_token_id=None)
     after = (list(pool.free), list(pool.refs), dict(pool.cached), list(pool.idle),
              list(live.cache.table), live.cache.seq_len, pool.k.clone())
     assert all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
@@ -181,3 +184,25 @@ def test_smollm2_second_chat_on_a_cached_system_prompt_gives_transformers_tokens
         gens[-1].cache.reset()
         assert gens[-1].tokens == hf_generate(model, ids, 24)[0]
     assert gens[0].cached_tokens == 0 and gens[1].cached_tokens >= 16
+
+
+def test_a_chat_chained_onto_a_block_since_evicted_keeps_its_next_turn():
+    # Both requests of a batch compute SYSTEM's two full blocks; the first to finish caches its
+    # own, so the other's third block is keyed onto the first's second block. When that one is
+    # evicted, the other's next turn must still keep its tokens, and its blocks be keyed again.
+    pool, model = pool_of(n_blocks=12), model_of()
+    a, b = generate(model, [turn(1), turn(2)], 3, cache=[PagedCache(pool), PagedCache(pool)],
+                    eos_token_id=None)
+    assert a.cache.table[1] != b.cache.table[1]
+    assert pool.key_of[b.cache.table[2]][0][0] == a.cache.table[1]
+    a.cache.reset()
+    run(pool, ids(28, seed=12), new=1).cache.reset()  # 7 blocks: 3 free, then all of a's evicted
+    assert all(blk not in pool.key_of for blk in a.cache.table[:2])
+    more = generate(model, torch.tensor([b.tokens[-1:] + [7, 8]]), 5, cache=b.cache,
+                    eos_token_id=None)
+    history = [*turn(2)[0].tolist(), *b.tokens, 7, 8, *more.tokens]
+    assert b.cache.tokens == history and more.tokens == generate(
+        model, torch.tensor([history[:-5]]), 5, eos_token_id=None).tokens
+    again = run(pool, torch.tensor([history[:-1]]), new=1)  # the whole chat is found again
+    assert again.cached_tokens == (len(history) - 2) // BLOCK * BLOCK
+    assert again.cache.table[:6] == b.cache.table[:6]
