@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.attention import SDPBackend
 from torch.nn.attention.bias import CausalBias
 from torch.overrides import TorchFunctionMode
@@ -80,6 +81,7 @@ class FakeDriver:
         self.peak_allocated = self.peak_reserved = 0
         self.used_outside = 600 * MIB  # the CUDA context and anything not ours
         self.clock_ms, self.synced_at = 0.0, 0.0
+        self.tick_ms = 0.0  # the clock's advance per event recorded: times that are not zero
         self.stream_ids = iter(range(100, 10**6))
         self.pool_ids = itertools.count(1)
         self.current_stream = {i: 0 for i in range(count)}  # 0: the default stream
@@ -209,6 +211,7 @@ def _event_class(driver):
             self.enable_timing, self.at = enable_timing, None
 
         def record(self, stream=None):
+            driver.clock_ms += driver.tick_ms
             self.at = driver.clock_ms
 
         def synchronize(self):
@@ -223,7 +226,26 @@ def _event_class(driver):
     return Event
 
 
-class _Recorder(TorchDispatchMode):
+class Peak(TorchDispatchMode):
+    """The most bytes that tensors made inside the block held at once (what the allocator would
+    have to find: a graph's pool, if the block is a captured step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak = [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.live = [(ref, n) for ref, n in self.live if not ref.expired()]
+        self.live += [(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+                      for t in _fresh(out, (args, kwargs)) if t is not None]
+        self.peak = max(self.peak, sum(n for _, n in self.live))
+        return out
+
+
+class _Recorder(Peak):
+    """Records a capture's ops, and the most bytes its tensors held at once: its pool's size."""
+
     def __init__(self, graph):
         super().__init__()
         self.graph = graph
@@ -237,7 +259,7 @@ class _Recorder(TorchDispatchMode):
             raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture "
                                "unless the CPU tensor is pinned")
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
         self.graph.ops.append((func, args, kwargs, out))
         return out
 
@@ -253,9 +275,9 @@ def _fresh(out, args) -> list[torch.Tensor]:
 def _graph_class(driver):
     class CUDAGraph:
         """Records the captured call's ops; ``replay`` runs exactly those on the same tensors,
-        writing each new result into the tensor the capture produced. Its pool reserves the bytes
-        of every tensor the capture made (no reuse within a capture: an upper bound); graphs that
-        share a pool (``pool=``) reserve the largest of them once."""
+        writing each new result into the tensor the capture produced. Its pool reserves the most
+        bytes the capture's tensors held at once; graphs that share a pool (``pool=``) reserve
+        the largest of those once."""
 
         def __init__(self, *args, **kwargs):
             self.ops, self.pool_bytes, self.recorder = [], 0, None
@@ -270,8 +292,7 @@ def _graph_class(driver):
         def capture_end(self):
             self.recorder.__exit__(None, None, None)
             driver.capturing = None
-            self.pool_bytes = sum(t.nbytes for func, args, kw, out in self.ops
-                                  for t in _fresh(out, (args, kw)) if t is not None)
+            self.pool_bytes = self.recorder.peak
             held = driver.pools.get(self.pool, 0)  # reserved while its graphs live
             driver.pools[self.pool] = max(held, self.pool_bytes)
 
@@ -383,6 +404,7 @@ def fake_card(name: str):
     SDPA routing. Patches are undone on exit."""
     card = CARDS[name]
     driver = FakeDriver(card.capability, card.total, count=1, current=0, sms=card.sms)
+    driver.tick_ms = 0.01
     route, mode = Route(card.sm, driver), FakeTensorMode(allow_non_fake_inputs=True)
     mp = pytest.MonkeyPatch()
     try:
@@ -423,3 +445,4 @@ def fake_model(config, dtype: torch.dtype):
                 if t is not None:
                     store[name] = fake(t, parameter)
     return model
+

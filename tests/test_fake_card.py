@@ -1,0 +1,140 @@
+"""kvlib's GPU-only code walked on a fake card (``fake_card.py``) at three cards: a T4 (sm 7.5,
+fp16), an RTX 3060 (sm 8.6) and the H200 (sm 9.0) under the 12 GiB cap. Shapes, dtypes, devices,
+host reads inside a step, the kernel each SDPA call would get, graph pools: no numerics, no time.
+
+Deliberate breaks prove the walk bites: a ``.item()`` in the step, a CPU tensor mixed into it, the
+cuDNN query inside the compiled function are each caught."""
+
+import functools
+
+import pytest
+import torch
+from fake_card import CARDS, Peak, fake_card, fake_model
+from helpers import TINY
+from torch._subclasses.fake_tensor import DataDependentOutputException
+
+# Imported before a card is faked: these look for CUDA as they import.
+from transformers.models.qwen3 import modeling_qwen3  # noqa: F401
+
+import kvlib
+from kvlib import graphs
+from kvlib.attention import MODES
+from kvlib.budget import graph_pool_bytes, plan_budget
+from kvlib.config import GIB, load_config
+from kvlib.kv_cache import KVCache
+
+ALL = list(CARDS)
+
+
+@functools.cache
+def qwen3_4b(layers: int | None = None):
+    """Qwen3-4B's real config, or the same shapes with fewer layers."""
+    config = load_config("qwen3-4b")
+    if layers is not None:
+        config.num_hidden_layers = layers
+        config.layer_types = config.layer_types[:layers]
+    return config
+
+
+def _tiny():
+    return TINY["qwen3"]()
+
+
+@pytest.fixture(params=ALL)
+def card(request):
+    with fake_card(request.param) as fake:
+        kvlib.memory.cap_memory(12, "cuda")
+        yield fake
+
+
+def _ids(n: int) -> torch.Tensor:
+    return torch.zeros(1, n, dtype=torch.long, device="cuda")
+
+
+# --- the walk ------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_qwen3_4b_walks_every_step_on_each_card(card):
+    """Prefill 2K in chunks of 512, eager decode, the static step in both attention modes, capture
+    and generate(step="graph") across a bucket's end: the real config, its 36 layers."""
+    device, dtype = kvlib.default_device(), kvlib.auto_dtype("cuda")
+    assert device == torch.device("cuda", 0) and dtype == card.card.dtype
+    model = fake_model(qwen3_4b(), dtype)
+    out = kvlib.generate(model, _ids(2048), 3, max_seq=2304, prefill_chunk=512,
+                         eos_token_id=None)
+    assert len(out.tokens) == 3
+    fused = "flash" if card.card.sm >= 8.0 else "efficient"
+    # prefill: 4 chunks; decode: 2 steps (the first token comes from the prefill); 36 layers each
+    assert card.route.counts == {fused: 36 * 6}, card.route.counts
+    cache = KVCache.for_model(model.config, 2304, device=device, dtype=dtype)
+    for attention in MODES:
+        step = graphs.StaticStep(model, cache, bucket=256, capture=False, attention=attention)
+        assert step(_ids(1), 2047).shape == (1, model.config.vocab_size)
+    step = graphs.StaticStep(model, cache, bucket=256)
+    cache.seq_len = 2047
+    out = kvlib.generate(model, _ids(2), 4, cache=step.cache, step=step, eos_token_id=None)
+    assert sorted(step.graphs) == [2304]  # positions 2048..2051: the last span
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_graph_mode_shares_one_pool_over_its_buckets(name):
+    with fake_card(name) as fake:
+        model = fake_model(_tiny(), kvlib.auto_dtype("cuda"))
+        step = graphs.StaticStep(model, KVCache.for_model(model.config, 64, device="cuda",
+                                                          dtype=model.dtype), bucket=16)
+        kvlib.generate(model, _ids(5), 40, step=step, eos_token_id=None)
+        assert sorted(step.graphs) == [16, 32, 48]
+        assert len(fake.driver.pools) == 1  # one pool, not one per bucket
+        assert fake.driver.calls.count(("replay", 0)) == 39
+
+
+def test_graph_pool_is_what_the_plan_prices():
+    """At a span short of the cache (V copied out), one static step's tensors at their peak are
+    what ``graph_pool_bytes`` prices, within 5%; the plan in graph mode holds it on top."""
+    config, dtype = qwen3_4b(), torch.bfloat16
+    with fake_card("H200"):
+        model = fake_model(config, dtype)
+        cache = KVCache.for_model(config, 8192, device="cuda", dtype=dtype)
+        step = graphs.StaticStep(model, cache, bucket=4096, capture=False)
+        with Peak() as peak:
+            step(_ids(1), 4095)
+    priced = graph_pool_bytes(config, dtype, 4096, bucket=4096)
+    assert peak.peak <= priced <= 1.05 * peak.peak, (peak.peak, priced)
+    eager, graph = (plan_budget(config, dtype, 12 * GIB, graph_bucket=b) for b in (None, 256))
+    at = graph.max_context
+    assert graph.breakdown(at)["workspace"] - eager.breakdown(at)["workspace"] == \
+        graph_pool_bytes(config, dtype, at, 256)
+    assert at < eager.max_context
+
+
+# --- deliberate breaks -------------------------------------------------------------------------
+def _broken_layer(monkeypatch, extra):
+    layer = graphs._layer
+
+    def broken(layer_, x, *args):
+        return layer(layer_, extra(x), *args)
+
+    monkeypatch.setattr(graphs, "_layer", broken)
+
+
+@pytest.mark.parametrize(("extra", "caught"), [
+    (lambda x: x + x.sum().item(), DataDependentOutputException),  # a host read
+    (lambda x: x + torch.ones(x.shape), RuntimeError),  # a CPU tensor: "different devices"
+])
+def test_a_broken_step_is_caught(monkeypatch, extra, caught):
+    with fake_card("H200"):
+        model = fake_model(_tiny(), torch.bfloat16)
+        step = graphs.StaticStep(model, KVCache.for_model(model.config, 32, device="cuda",
+                                                          dtype=model.dtype), capture=False)
+        assert step(_ids(1), 3).shape == (1, model.config.vocab_size)  # unbroken, it walks
+        _broken_layer(monkeypatch, extra)
+        with pytest.raises(caught):
+            step(_ids(1), 4)
+
+
+def test_a_host_read_in_a_capture_is_caught(monkeypatch):
+    with fake_card("RTX 3060"):
+        model = fake_model(_tiny(), torch.bfloat16)
+        cache = KVCache.for_model(model.config, 32, device="cuda", dtype=model.dtype)
+        _broken_layer(monkeypatch, lambda x: x + len(x.tolist()))
+        with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+            graphs.StaticStep(model, cache)(_ids(1), 3)
