@@ -36,7 +36,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.attention import SDPBackend
 from torch.nn.attention.bias import CausalBias
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from kvlib import graphs
 from kvlib.budget import meta_model
@@ -150,6 +150,8 @@ class FakeDriver:
             "_cuda_memorySnapshot": self.snapshot,
             "_cuda_record_memory_history": lambda enabled, *a: self.history.append(enabled),
             "_cuda_isCurrentStreamCapturing": lambda: getattr(self, "capturing", None) is not None,
+            "_cuda_set_sync_debug_mode": lambda mode: setattr(self, "sync_debug", mode),
+            "_cuda_get_sync_debug_mode": lambda: getattr(self, "sync_debug", 0),
         }
         for name, fn in stubs.items():
             mp.setattr(C, name, fn, raising=False)
@@ -346,15 +348,29 @@ def _on_card(device) -> bool:
     return device is not None and torch.device(device).type == "cuda"
 
 
+_READS = {torch.Tensor.item: 0.0, torch.Tensor.__float__: 0.0, torch.Tensor.__int__: 0,
+          torch.Tensor.__bool__: False}
+
+
 class Route(TorchFunctionMode):
     """Reruns on ``meta`` what a CPU build cannot do for a fake ``cuda`` tensor; routes SDPA and
     torch's chooser as :func:`kvlib.cards.sdpa_kernel` at ``sm`` would; ``counts`` tallies the
     kernels SDPA calls would get."""
 
-    def __init__(self, sm: float, driver: FakeDriver) -> None:
+    def __init__(self, sm: float, driver: FakeDriver, host_reads: bool = False) -> None:
         super().__init__()
-        self.sm, self.driver, self.counts = sm, driver, {}
+        self.sm, self.driver, self.counts, self.host_reads = sm, driver, {}, host_reads
         self.reads = 0  # tolist() calls answered
+
+    def _refuse_past_the_cap(self, args, kwargs) -> None:
+        """One allocation larger than the allocator's cap is refused, as CUDA's would be."""
+        shape = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args
+        dtype = kwargs.get("dtype") or torch.get_default_dtype()
+        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+        cap = self.driver.fraction[0] * self.driver.total
+        if nbytes > cap:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (fake card): {nbytes} bytes past "
+                                         f"the cap of {cap:.0f}")
 
     def tolist(self, t: FakeTensor) -> list:
         """The loop's read of its tokens after the last step: zeros, as a fake has no data.
@@ -376,7 +392,13 @@ class Route(TorchFunctionMode):
             if func is torch._fused_sdp_choice:
                 return int(_BACKEND[kind])
             self.counts[kind] = self.counts.get(kind, 0) + 1
-            return _on_meta(func, args, kwargs)  # the math path: it checks shapes and dtypes
+            with _disable_current_modes():  # the math path checks shapes and dtypes; its inner
+                out = _on_meta(func, args, kwargs)  # ops, on meta, stay out of a capture
+            return torch.empty_like(out)
+        if func in _READS and self.host_reads and isinstance(args[0], FakeTensor):
+            return _READS[func]  # a rehearsal's numbers: zeros, as a fake has no data
+        if func in (torch.empty, torch.zeros, torch.ones) and _on_card(kwargs.get("device")):
+            self._refuse_past_the_cap(args, kwargs)
         if func in (torch.tensor, torch.as_tensor) and _on_card(kwargs.get("device")):
             # made on the host, then a fake of it on the card (CPU torch has no CUDA copy)
             host = func(*args, **{**kwargs, "device": "cpu"})
@@ -399,13 +421,14 @@ class FakeCard:
 
 
 @contextlib.contextmanager
-def fake_card(name: str):
+def fake_card(name: str, host_reads: bool = False):
     """The card ``name`` of :data:`CARDS` faked for the block: its driver, fake tensors on it, the
-    SDPA routing. Patches are undone on exit."""
+    SDPA routing. ``host_reads``: ``.item()`` and the like answer zero (a rehearsal of the GPU
+    check), where by default they raise. Patches are undone on exit."""
     card = CARDS[name]
     driver = FakeDriver(card.capability, card.total, count=1, current=0, sms=card.sms)
     driver.tick_ms = 0.01
-    route, mode = Route(card.sm, driver), FakeTensorMode(allow_non_fake_inputs=True)
+    route, mode = Route(card.sm, driver, host_reads), FakeTensorMode(allow_non_fake_inputs=True)
     mp = pytest.MonkeyPatch()
     try:
         driver.install(mp)

@@ -10,14 +10,15 @@ import functools
 import pytest
 import torch
 from fake_card import CARDS, Peak, fake_card, fake_model
-from helpers import TINY
+from helpers import TINY, tiny_model
+from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
 # Imported before a card is faked: these look for CUDA as they import.
 from transformers.models.qwen3 import modeling_qwen3  # noqa: F401
 
 import kvlib
-from kvlib import graphs
+from kvlib import decoder, graphs
 from kvlib.attention import MODES
 from kvlib.budget import graph_pool_bytes, plan_budget
 from kvlib.config import GIB, load_config
@@ -138,3 +139,53 @@ def test_a_host_read_in_a_capture_is_caught(monkeypatch):
         _broken_layer(monkeypatch, lambda x: x + len(x.tolist()))
         with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
             graphs.StaticStep(model, cache)(_ids(1), 3)
+
+
+# --- the compiled step's CUDA branch -------------------------------------------------------------
+# Dynamo cannot trace indexing of a CUDA tensor in a CPU build (its own fake tensors take the CUDA
+# device guard), so the compiled step runs on CPU tensors with its one CUDA-only decision forced:
+# the cuDNN switch as on a card.
+def _cudnn_as_on_cuda(monkeypatch):
+    real = decoder.no_cudnn_attention
+    monkeypatch.setattr(graphs, "no_cudnn_attention", lambda device: real(torch.device("cuda")))
+    return real
+
+
+def _compiled(model, max_seq: int, bucket: int = 16):
+    torch.compiler.reset()
+    cache = KVCache.for_model(model.config, max_seq, device="cpu", dtype=model.dtype)
+    return graphs.StaticStep(model, cache, bucket=bucket, capture=False, compile="eager")
+
+
+def test_compiled_step_takes_the_cudnn_switch_outside(monkeypatch):
+    model = tiny_model("qwen3")
+    ids = torch.randint(0, 512, (1, 21), generator=torch.Generator().manual_seed(1))
+    want = kvlib.generate(model, ids, 12, max_seq=48, step="static", bucket=16).tokens
+    _cudnn_as_on_cuda(monkeypatch)
+    assert kvlib.generate(model, ids, 12, step=_compiled(model, 48)).tokens == want
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # switched back on after each step
+
+
+def test_the_cudnn_query_inside_the_compiled_function_is_caught(monkeypatch):
+    real, step = _cudnn_as_on_cuda(monkeypatch), graphs._step
+
+    def inside(*args):
+        with real(torch.device("cuda")):
+            return step(*args)
+
+    monkeypatch.setattr(graphs, "_step", inside)
+    model = tiny_model("qwen3")
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="cudnn_sdp_enabled"):
+        _compiled(model, 32)(torch.zeros(1, 1, dtype=torch.long), 3)
+
+
+@pytest.mark.slow
+def test_a_compiled_step_serves_every_bucket(monkeypatch):
+    """Past dynamo's default of 8 recompiles: 11 spans, each compiled once, none again."""
+    model = tiny_model("qwen3")
+    ids = torch.randint(0, 512, (1, 5), generator=torch.Generator().manual_seed(2))
+    want = kvlib.generate(model, ids, 170, max_seq=176, step="static", bucket=16).tokens
+    counters.clear()
+    step = _compiled(model, 176)
+    assert kvlib.generate(model, ids, 170, step=step).tokens == want
+    assert counters["stats"]["unique_graphs"] == 11
