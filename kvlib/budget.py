@@ -125,11 +125,9 @@ def run_workspace(config: PretrainedConfig, dtype: torch.dtype, context: int,
 
 def graph_pool_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int,
                      bucket: int = 256) -> int:
-    """At most what graph mode holds at ``context`` in the pool its graphs share
-    (:class:`kvlib.graphs.StaticStep`, split-KV): one step's workspace at the longest span, per
-    slot the position mask (fp32, with its arange and bool) and, per layer, fp32 scores (the
-    matmul's, then masked), their log-softmax, the weights in ``dtype`` and V copied out of the
-    cache; each layer's RoPE matrix, q/k norms folded in; and every bucket's logits."""
+    """At most what graph mode's shared pool holds at ``context`` (split-KV): a step at the longest
+    span, per slot its fp32 mask (with arange and bool) and a layer's fp32 scores (matmul, masked),
+    log-softmax, weights in ``dtype``, V copied; each layer's RoPE matrix; each bucket's logits."""
     e, Hq, Hkv, D = dtype.itemsize, config.num_attention_heads, kv_heads(config), head_dim(config)
     rotations = config.num_hidden_layers * (Hq // Hkv + 1) * D * D * e
     logits = -(-context // bucket) * config.vocab_size * e
@@ -182,12 +180,10 @@ def plan_budget(config: PretrainedConfig, dtype: torch.dtype, budget_bytes: int,
     The guarantee: ``max_context`` runs on :mod:`kvlib.simulate`'s card (live tensor bytes, op by
     op), ``batch`` requests of a prompt and its new tokens, at any ``prefill_chunk``; 1% more does
     not. It prices every tensor the loop holds: weights, RoPE's buffers, KV, the prompt's ids, each
-    phase's activations, masks, the kernels' outputs and the math path's scores. Where a run's
-    peak is a chunk, the plan is the card's limit to the token; it prices a prompt of the whole
-    context, so it may fall a few tokens short. Not priced, and left to a real card's budget: the
-    allocator's rounding and cache, the CUDA context (outside the allocator), and libraries'
-    workspaces (the GPU reference in ``figures/h200/`` measures them). ``graph_bucket``: decode in
-    graph mode with that bucket, whose pool (:func:`graph_pool_bytes`) is held on top.
+    phase's activations, masks, the kernels' outputs and the math path's scores; a prompt of the
+    whole context, so it may fall a few tokens short. Not priced: the allocator's rounding and
+    cache, the CUDA context, libraries' workspaces. ``graph_bucket``: decode in graph mode with
+    that bucket, whose pool (:func:`graph_pool_bytes`) is held on top.
 
     ``budget_bytes`` is one GPU's. With ``tp`` GPUs (tensor parallel) each holds ``1 / tp`` of the
     weights and of the KV heads, down to one head: a head cannot be split, so past ``Hkv`` GPUs

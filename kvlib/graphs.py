@@ -7,11 +7,10 @@ and reading all ``max_seq`` slots every step. Sampling stays outside (its RNG st
 and nothing reads a device value on the host: a replay would reuse the capture's answer.
 
 A graph removes launches, not kernels (microseconds each), so the step runs few per layer: fused
-matmuls over weights held once, RoPE as one matmul, ``F.rms_norm``, split-KV attention. It is a
-second implementation of the decoder layer, kept in step with :mod:`kvlib.decoder` by named tests:
-``test_static_step_gives_eager_tokens_with_either_attention`` (test_attention.py),
-``test_graph_decode_gives_the_static_tokens`` (test_cuda_paths.py) and the static-step parity tests
-of test_generate.py, on every family of ``tests/helpers.py``."""
+matmuls over weights held once, RoPE as one matmul, ``F.rms_norm``, split-KV attention: a second
+implementation of :mod:`kvlib.decoder`'s layer, kept in step with it by named tests (in tests/:
+``test_static_step_gives_eager_tokens_with_either_attention``,
+``test_graph_decode_gives_the_static_tokens``, ``test_static_step_matches_transformers``)."""
 
 import functools
 
@@ -48,13 +47,10 @@ def _norm(norm, x: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def fuse(model) -> None:
     """Each layer's q/k/v (and gate/up) weights and biases as one tensor, of which theirs are
-    views: one matmul, each byte held once; again if they share it no more (``model.to``).
-
-    It changes the model in place, not its numbers: each projection's weight (and bias) becomes a
-    Parameter viewing the fused tensor, with the same values, and the modules gain ``_kvlib_fused``
-    (and the body ``_kvlib_rope``), which only the static step reads. The eager forward and
-    ``transformers`` compute as before. To undo, delete those attributes; ``model.to`` to another
-    device or dtype gives each weight its own storage again."""
+    views: one matmul, each byte held once; again if they share it no more (``model.to``). It
+    changes the model in place, not its numbers: each weight (and bias) becomes a Parameter viewing
+    the fused tensor, and the modules gain ``_kvlib_fused`` (the body ``_kvlib_rope``), read by the
+    static step alone. To undo: delete those; ``model.to`` gives each weight its own storage."""
     model.model._kvlib_rope = rope_of(type(model.model.layers[0].self_attn))
     for module, names in [(m, n) for layer in model.model.layers for m, n in (
             (layer.self_attn, QKV), (layer.mlp, GATE_UP if parts(layer.mlp) == MLP else ()))]:
@@ -134,12 +130,11 @@ class StaticStep:
     """``step(token [1, 1], pos) -> logits [1, V]``, the graph's output buffer, which the next call
     overwrites. ``capture=False`` runs it uncaptured, on any device. ``attention``: see
     :func:`kvlib.attention.attend`. ``compile``: True (inductor) or a backend's name compiles the
-    step whole (``fullgraph``), once per span: never again within a bucket, and room for every
-    span of the cache in the recompile limit. cuDNN attention is switched off around the step (a
-    host flag, outside what is compiled or captured). A step's graphs share one memory pool: it
-    holds one step's workspace at the longest span captured (what
-    :func:`kvlib.budget.graph_pool_bytes` prices), not one per bucket; a graph's output may lie in
-    another's workspace, so read the logits before the next call, as the loop does."""
+    step whole (``fullgraph``), once per span, with room for every span in dynamo's limit. cuDNN
+    attention is off around the step (a host flag: outside what is compiled or captured). The
+    graphs share one pool, one step's workspace at the longest span
+    (:func:`kvlib.budget.graph_pool_bytes`), so one graph's output may lie in another's workspace:
+    read the logits before the next call, as the loop does."""
 
     def __init__(self, model, cache, *, bucket: int = 256, capture: bool | None = None,
                  attention="split", compile: bool | str = False) -> None:
@@ -180,12 +175,13 @@ class StaticStep:
         P = splits(S, self.cache.n_kv_heads, self.device)
         run = lambda: self.run(self.model, self.token, self.cache, self.pos, S,  # noqa: E731
                                self.attention, P)
-        if self.run is not _step and S not in self.compiled:  # a new span compiles: let it
-            limit = torch._dynamo.config.recompile_limit + -(-self.cache.max_seq // self.bucket)
-            run = _patched(run, recompile_limit=limit, accumulated_recompile_limit=max(
-                limit, torch._dynamo.config.accumulated_recompile_limit))
+        limits, config = {}, torch._dynamo.config  # read only when a call compiles: a new span
+        if self.run is not _step and S not in self.compiled:
             self.compiled.add(S)
-        with no_cudnn_attention(self.device):
+            n = config.recompile_limit + -(-self.cache.max_seq // self.bucket)
+            limits = dict(recompile_limit=n, accumulated_recompile_limit=max(
+                n, config.accumulated_recompile_limit))
+        with no_cudnn_attention(self.device), config.patch(**limits):
             if not self.capture:
                 logits = run()
             else:
@@ -196,14 +192,6 @@ class StaticStep:
                 graph.replay()
         self.cache.seq_len = pos + 1
         return logits
-
-
-def _patched(run, **config):
-    """``run`` under dynamo's ``config`` (its limits are read when a call compiles)."""
-    def patched():
-        with torch._dynamo.config.patch(**config):
-            return run()
-    return patched
 
 
 @functools.cache

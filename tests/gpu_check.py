@@ -58,12 +58,12 @@ from kvlib.timing import StepTimer  # noqa: E402
 MODEL, BUDGET_GIB, CONTEXT, NEW, CHUNK = "random:qwen3-4b", 12, 8192, 32, 512
 SPEED_CONTEXTS, SPEED_STEPS, SPEED_S = (2048, 8192, 16384), 16, 120  # decode_speed: its budget
 TARGET_MS = {8192: 5.0, 16384: 5.5}  # issue 22: graph decode of Qwen3-4B on the H200, ms/token
-# The fused static step's drift from an fp32 run of the same step, per logit, in steps of bf16 at
-# the top logit: at most 11.2 (median 4.0) on the CPU, random weights, Qwen3-4B's shapes with 4 of
-# its 36 layers, 512 tokens, 16 steps teacher-forced; eager drifts as far (11.2, median 3.6). If
-# each lies within DRIFT of the fp32 logits, their top two can swap only where the fp32 margin is
-# at most 2 * DRIFT, so where eager's own is at most 4 * DRIFT: a tie, not a bug.
-DRIFT = 12
+# The fused static step's drift from an fp32 run of the same step, per top-two logit, in steps of
+# bf16 at the top logit, measured on the CPU (random weights, Qwen3-4B's shapes with 4 and 12 of its
+# 36 layers, 512 tokens, 16 steps teacher-forced): at most 11.2 and 11.6 (medians 4.0, 7.0); eager
+# 11.2 and 12.7. If each lies within DRIFT of the fp32 logits, their top two can swap only where the
+# fp32 margin is at most 2 * DRIFT, so where eager's own is at most 4 * DRIFT: a tie, not a bug.
+DRIFT = 13
 TIE = 4 * DRIFT
 LIMIT_S = 6 * 60
 REHEARSAL = dict(CONTEXT=1024, NEW=4, SPEED_CONTEXTS=(512, 1024), SPEED_STEPS=2, LAYERS=2)

@@ -6,6 +6,7 @@ Deliberate breaks prove the walk bites: a ``.item()`` in the step, a CPU tensor 
 cuDNN query inside the compiled function are each caught."""
 
 import functools
+import json
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 from transformers.models.qwen3 import modeling_qwen3  # noqa: F401
 
 import kvlib
+from course import references
 from kvlib import decoder, graphs
 from kvlib.attention import MODES
 from kvlib.budget import graph_pool_bytes, plan_budget
@@ -189,3 +191,69 @@ def test_a_compiled_step_serves_every_bucket(monkeypatch):
     step = _compiled(model, 176)
     assert kvlib.generate(model, ids, 170, step=step).tokens == want
     assert counters["stats"]["unique_graphs"] == 11
+
+
+# --- the GPU check, rehearsed --------------------------------------------------------------------
+def _gpu_check():
+    import gpu_check  # tests/gpu_check.py: imports course and kvlib as it loads
+
+    return gpu_check
+
+
+def test_gpu_check_dry_run_prints_the_order_within_six_minutes(tmp_path, capsys):
+    check = _gpu_check()
+    assert check.main(["--dry-run", "--only", "versions,plan", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    order = [line.split()[0] for line in out.splitlines() if line.startswith("      ")]
+    assert order == list(check.ORDER)
+    first = ("versions", "plan", "cap", "load", "decode", "decode_speed", "longest",
+             "graph_memory")
+    assert order[: len(first)] == list(first)  # the most valuable first
+    sure = [row for row in check.schedule() if row[-1] <= check.LIMIT_S]
+    assert check.LIMIT_S == 360 and [r[0] for r in sure] == order[: len(sure)]
+    assert {"decode_speed", "longest", "graph_memory"} <= {r[0] for r in sure}
+    assert all("(if time remains)" in line for line in out.splitlines()
+               if line.split()[:1] and line.split()[0] in ("nbval", "bench_run"))
+
+
+def test_decode_speed_keeps_every_variant_when_one_fails(tmp_path, monkeypatch):
+    check = _gpu_check()
+
+    def broken(*args):
+        raise RuntimeError("profiler broke")
+
+    monkeypatch.setattr(check, "_profile", broken)
+    assert check.main(["--rehearse", "H200", "--only", "load,decode_speed", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    speed = next(c for c in report["checks"] if c["check"] == "decode_speed")
+    data, contexts = speed["data"], check.REHEARSAL["SPEED_CONTEXTS"]
+    for name in ("eager", "graph sdpa", "graph split", "graph cudnn"):
+        assert sorted(map(int, data["ms_per_token"][name])) == list(contexts), name
+    assert data["failed"]["graph split profile"] == "RuntimeError: profiler broke"
+    assert "graph flex" in data["failed"]  # dynamo cannot trace a fake card's tensors
+    assert sorted(map(int, data["graph_split_speedup_over_eager"])) == list(contexts)
+    assert "graph split profile FAILED: RuntimeError: profiler broke" in speed["line"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ALL)
+def test_gpu_check_rehearses_every_check(name, tmp_path):
+    """Every in-process check walks to its end on the fake card (its numbers are no card's), the
+    JSON is written, and ``course.references`` rewrites a references folder from it, never
+    ``figures/h200``."""
+    check = _gpu_check()
+    assert check.main(["--rehearse", name, str(tmp_path / "out")]) == 0  # 1: a check raised
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    ran = {c["check"]: c for c in report["checks"]}
+    assert list(ran) == list(check.ORDER) and report["rehearsal"] == name
+    assert all(c["error"] is None for c in ran.values())
+    assert {n for n, c in ran.items() if c["status"] == "SKIP"} == set(check.SUBPROCESS)
+    done = references.build(tmp_path / "out", tmp_path / "refs")
+    assert {"gpu_check.log", "gpu_sdpa.json", "gpu_longest.json", "gpu_timeline.json",
+            "gpu_graph_memory.png"} <= set(done["written"])
+    assert "bench.json" in done["missing"]  # the bench runs in a subprocess: not rehearsed
+    log = (tmp_path / "refs" / "gpu_check.log").read_text().splitlines()
+    decode = log[list(check.ORDER).index("decode")]
+    assert decode.split()[1] == "decode" and "ms/token" in decode  # the line notebook 05 reads
+    with pytest.raises(ValueError, match="rehearsal on a fake"):
+        references.build(tmp_path / "out")  # into figures/h200: refused
