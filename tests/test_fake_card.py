@@ -257,3 +257,28 @@ def test_gpu_check_rehearses_every_check(name, tmp_path):
     assert decode.split()[1] == "decode" and "ms/token" in decode  # the line notebook 05 reads
     with pytest.raises(ValueError, match="rehearsal on a fake"):
         references.build(tmp_path / "out")  # into figures/h200: refused
+
+
+# --- the course's GPU-only functions -----------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["T4", "H200"])
+def test_the_course_gpu_functions_walk(name, monkeypatch, capsys, tmp_path):
+    """Each course/nbNN.py function that runs only on a GPU, on Qwen3-4B's shapes with 2 layers
+    (``kvlib.load_model`` answers the fake model) at short contexts."""
+    from course import nb02, nb03, nb05
+
+    with fake_card(name) as fake:
+        small = fake_model(qwen3_4b(2), fake.card.dtype)
+        monkeypatch.setattr(kvlib, "load_model", lambda *a, **k: (small, None))
+        device, dtype = kvlib.default_device(), fake.card.dtype
+        cap = kvlib.memory.cap_memory(12, device)
+        here, big_dtype = nb02.big_card(device)
+        assert here.sm == fake.card.sm and big_dtype == dtype
+        times = nb05.gpu_decode(device, contexts=(512, 1024), steps=2, bucket=256)
+        assert sorted(times) == [(c, m) for c in (512, 1024) for m in ("eager", "graph",
+                                                                         "static")]
+        nb03.on_this_card(device, qwen3_4b(2), dtype, 1024, cap, "fake")
+        monkeypatch.setattr(nb02.plots, "FIGURES", tmp_path)  # its snapshot: not in figures/
+        nb02.on_this_card(device, dtype, 1024, "fake")
+    out = capsys.readouterr().out
+    assert "Qwen3-4B at 1,024" in out and "prealloc reached" in out and "cat reached" in out
