@@ -2,15 +2,13 @@
 
 A graph replays a step's hundreds of kernel launches as one, if every tensor keeps its address and
 shape: the preallocated cache, fixed token and position buffers, and attention over a fixed
-``span`` of slots, masked past the position. Spans come in buckets, between a new shape every step
-and reading all ``max_seq`` slots every step. Sampling stays outside (its RNG state would freeze),
-and nothing reads a device value on the host: a replay would reuse the capture's answer.
-
-A graph removes launches, not kernels (microseconds each), so the step runs few per layer: fused
-matmuls over weights held once, RoPE as one matmul, ``F.rms_norm``, split-KV attention: a second
-implementation of :mod:`kvlib.decoder`'s layer, kept in step with it by named tests (in tests/:
-``test_static_step_gives_eager_tokens_with_either_attention``,
-``test_graph_decode_gives_the_static_tokens``, ``test_static_step_matches_transformers``)."""
+``span`` of slots (buckets of them), masked past the position. Sampling stays outside (its RNG
+state would freeze), and nothing reads a device value on the host: a replay would reuse the
+capture's. A graph removes launches, not kernels, so the step runs few per layer: fused matmuls,
+RoPE as one matmul, ``F.rms_norm``, split-KV: a second implementation of :mod:`kvlib.decoder`'s
+layer, kept in step by the tests ``test_static_step_matches_transformers``,
+``test_static_step_gives_eager_tokens_with_either_attention`` and
+``test_graph_decode_gives_the_static_tokens``."""
 
 import functools
 
@@ -47,10 +45,8 @@ def _norm(norm, x: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def fuse(model) -> None:
     """Each layer's q/k/v (and gate/up) weights and biases as one tensor, of which theirs are
-    views: one matmul, each byte held once; again if they share it no more (``model.to``). It
-    changes the model in place, not its numbers: each weight (and bias) becomes a Parameter viewing
-    the fused tensor, and the modules gain ``_kvlib_fused`` (the body ``_kvlib_rope``), read by the
-    static step alone. To undo: delete those; ``model.to`` gives each weight its own storage."""
+    views, in place (numbers unchanged), and ``_kvlib_fused`` / ``_kvlib_rope`` on its modules for
+    the static step. Undo: delete those; ``model.to`` gives each weight its own storage again."""
     model.model._kvlib_rope = rope_of(type(model.model.layers[0].self_attn))
     for module, names in [(m, n) for layer in model.model.layers for m, n in (
             (layer.self_attn, QKV), (layer.mlp, GATE_UP if parts(layer.mlp) == MLP else ()))]:
@@ -128,13 +124,10 @@ def span(pos: int, bucket: int, max_seq: int) -> int:
 
 class StaticStep:
     """``step(token [1, 1], pos) -> logits [1, V]``, the graph's output buffer, which the next call
-    overwrites. ``capture=False`` runs it uncaptured, on any device. ``attention``: see
-    :func:`kvlib.attention.attend`. ``compile``: True (inductor) or a backend's name compiles the
-    step whole (``fullgraph``), once per span, with room for every span in dynamo's limit. cuDNN
-    attention is off around the step (a host flag: outside what is compiled or captured). The
-    graphs share one pool, one step's workspace at the longest span
-    (:func:`kvlib.budget.graph_pool_bytes`), so one graph's output may lie in another's workspace:
-    read the logits before the next call, as the loop does."""
+    overwrites (the graphs share one pool: :func:`kvlib.budget.graph_pool_bytes`). ``capture=False``
+    runs it uncaptured, on any device. ``attention``: see :func:`kvlib.attention.attend`.
+    ``compile``: True (inductor) or a backend's name compiles the step whole, once per span, with
+    room for every span in dynamo's limit. cuDNN attention is off around it, outside the compile."""
 
     def __init__(self, model, cache, *, bucket: int = 256, capture: bool | None = None,
                  attention="split", compile: bool | str = False) -> None:
