@@ -1,8 +1,8 @@
 """The static step's attention: a folded query ``[H, g, D]`` (H KV heads, g query heads each) over
 a cache's ``[1, H, S, D]``, masked past the position. A masked SDPA call lands on the memory-
-efficient kernel: one block per KV head, 8 for Qwen3-4B on 132 SMs. Split-KV (flash-decoding) cuts
-the span into P chunks: each chunk's log-sum-exp and normalised output, combined by their softmax.
-"""
+efficient kernel: one block per KV head, a few blocks for a card of a hundred SMs. Split-KV (flash-
+decoding) cuts the span into P chunks: each chunk's log-sum-exp and normalised output, combined by
+their softmax, so a decode step fills the card."""
 
 import functools
 import os
@@ -39,6 +39,9 @@ def split_kv(q, keys, values, mask: torch.Tensor, scale: float, P: int) -> torch
     plus the log of its sum of exponentials); its exponentials times the chunk's values are its
     normalised output. Scores and sums in fp32; the weights meet the values in their dtype."""
     H, g, D = q.shape
+    if P < 1 or keys.shape[2] % P:
+        raise ValueError(f"split_kv cuts the span into P equal chunks: P={P} does not divide the "
+                         f"{keys.shape[2]} slots (splits() gives a divisor)")
     C = keys.shape[2] // P
     # slot-major scores [H, S, g]: a chunk's weights are then one batch's [g, C] (transposed)
     s = torch.add(mask.view(-1, 1), _bmm32(keys[0], q.transpose(1, 2)), alpha=scale)

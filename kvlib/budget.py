@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from .config import GIB, MIB, head_dim, kv_bytes, kv_bytes_per_token, kv_heads, load_config
 from .memory import largest
 
-__all__ = ["ATTENTION", "Budget", "meta_model", "param_count", "plan_budget", "run_workspace",
-           "weight_bytes", "workspace_bytes", "workspace_phases"]
+__all__ = ["ATTENTION", "Budget", "graph_pool_bytes", "meta_model", "param_count", "plan_budget",
+           "run_workspace", "weight_bytes", "workspace_bytes", "workspace_phases"]
 
 FAMILIES = ("llama", "qwen2", "qwen3")  # the families param_count can count
 
@@ -123,6 +123,17 @@ def run_workspace(config: PretrainedConfig, dtype: torch.dtype, context: int,
     return worst + prompt - kv * context
 
 
+def graph_pool_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int,
+                     bucket: int = 256) -> int:
+    """At most what graph mode's shared pool holds at ``context`` (split-KV): a step at the longest
+    span, per slot its fp32 mask (with arange and bool) and a layer's fp32 scores (matmul, masked),
+    log-softmax, weights in ``dtype``, V copied; each layer's RoPE matrix; each bucket's logits."""
+    e, Hq, Hkv, D = dtype.itemsize, config.num_attention_heads, kv_heads(config), head_dim(config)
+    rotations = config.num_hidden_layers * (Hq // Hkv + 1) * D * D * e
+    logits = -(-context // bucket) * config.vocab_size * e
+    return context * (13 + Hq * (12 + e) + Hkv * D * e) + rotations + logits
+
+
 @dataclass(frozen=True)
 class Budget:
     """Fixed weights, KV per token, and ``workspace_at(context)``, under ``budget`` (what the
@@ -162,20 +173,17 @@ class Budget:
 
 def plan_budget(config: PretrainedConfig, dtype: torch.dtype, budget_bytes: int, batch: int = 1,
                 prefill_chunk: int = 512, *, attention: str = "fused", cache: str = "prealloc",
-                block: int = 1, tp: int = 1) -> Budget:
+                block: int = 1, tp: int = 1, graph_bucket: int | None = None) -> Budget:
     """The :class:`Budget` of ``config`` in ``dtype`` for kvlib's token loop; ``attention``:
     ``"fused"`` (sm >= 8.0) or ``"math"``, where kernels fall back (``cards.sdpa_kernel``).
 
     The guarantee: ``max_context`` runs on :mod:`kvlib.simulate`'s card (live tensor bytes, op by
     op), ``batch`` requests of a prompt and its new tokens, at any ``prefill_chunk``; 1% more does
     not. It prices every tensor the loop holds: weights, RoPE's buffers, KV, the prompt's ids, each
-    phase's activations, masks, the kernels' outputs and the math path's scores. Where a run's
-    peak is a chunk, the plan is the card's limit to the token; it prices a prompt of the whole
-    context, so it may fall a few tokens short. Not priced, and left to a real card's budget: the
-    allocator's rounding and cache, the CUDA context (outside the allocator), and libraries'
-    workspaces. On the H200 (``figures/h200/``), 118.1 MiB was held beyond the weights before a
-    run (64 MiB of it with the first forwards, the size of two cuBLAS workspaces) and 28.0 MiB was
-    reserved beyond the allocated peak.
+    phase's activations, masks, the kernels' outputs and the math path's scores; a prompt of the
+    whole context, so it may fall a few tokens short. Not priced: the allocator's rounding and
+    cache, the CUDA context, libraries' workspaces. ``graph_bucket``: decode in graph mode with
+    that bucket, whose pool (:func:`graph_pool_bytes`) is held on top.
 
     ``budget_bytes`` is one GPU's. With ``tp`` GPUs (tensor parallel) each holds ``1 / tp`` of the
     weights and of the KV heads, down to one head: a head cannot be split, so past ``Hkv`` GPUs
@@ -188,8 +196,10 @@ def plan_budget(config: PretrainedConfig, dtype: torch.dtype, budget_bytes: int,
         raise ValueError(f"tp={tp} must divide the {Hq} query heads, and divide the {Hkv} KV "
                          f"heads or be a multiple of them")
     workspace_phases(config, dtype, attention=attention, cache=cache)  # refuse bad names now
-    workspace = partial(run_workspace, config, dtype, prefill_chunk=prefill_chunk, batch=batch,
-                        attention=attention, cache=cache)
+    eager = partial(run_workspace, config, dtype, prefill_chunk=prefill_chunk, batch=batch,
+                    attention=attention, cache=cache)
+    pool = partial(graph_pool_bytes, config, dtype, bucket=graph_bucket or 1)
+    workspace = (lambda n: eager(n) + pool(n)) if graph_bucket else eager
     rope = 4 * head_dim(config)  # RoPE's inverse frequencies: two fp32 buffers of D / 2
     share = max(1, Hkv // tp)  # the KV heads each GPU holds
     kv = kv_bytes_per_token(config, dtype, batch) * share // Hkv

@@ -39,7 +39,7 @@ _CONFIG_REFUSED = {  # config attribute -> what the loop would get wrong, unless
 }
 
 
-def _parts(module) -> set[str]:
+def parts(module) -> set[str]:
     return {n for n, _ in [*module.named_children(), *module.named_parameters(recurse=False)]}
 
 
@@ -52,7 +52,7 @@ def check_supported(model, window: int | None = None) -> None:
     who = f"{type(model).__name__} ({config.model_type!r})"
     for where, module in (("model", body), ("decoder layer", layer), ("attention", attention)):
         must, may = _PARTS[where]
-        have = set() if module is None else _parts(module)
+        have = set() if module is None else parts(module)
         if extra := sorted(have - must - may):
             raise NotImplementedError(f"{who}: its {where} has {extra}, which kvlib's token loop "
                                       f"does not compute")
@@ -63,7 +63,7 @@ def check_supported(model, window: int | None = None) -> None:
         if (value := getattr(config, attr, None)) not in (None, 1, 1.0):
             raise NotImplementedError(f"{config.model_type!r} has {what} ({attr}={value}); "
                                       f"kvlib's token loop does not compute them")
-    _rope_of(type(attention))
+    rope_of(type(attention))
     if 0 in (getattr(config, "no_rope_layers", None) or []):
         raise NotImplementedError(f"{config.model_type!r} has layers without RoPE (no_rope_layers="
                                   f"{config.no_rope_layers}); kvlib's token loop rotates every "
@@ -91,14 +91,14 @@ def _causal_fused(model, device: torch.device) -> bool:
     c, D = model.config, model.model.layers[0].self_attn.head_dim
     probe = torch.empty(D, dtype=model.dtype, device=device)  # the chooser reads shapes, not data
     q, kv = (probe.expand(1, h, 1, D) for h in (c.num_attention_heads, c.num_key_value_heads))
-    with _no_cudnn_attention(device):
+    with no_cudnn_attention(device):
         kind = torch._fused_sdp_choice(q, kv, kv, enable_gqa=True)
     return kind == int(SDPBackend.FLASH_ATTENTION) or (
         kind == int(SDPBackend.EFFICIENT_ATTENTION) and q.shape[1] == kv.shape[1])
 
 
 @contextmanager
-def _no_cudnn_attention(device: torch.device):
+def no_cudnn_attention(device: torch.device):
     """Leave cuDNN attention out for one forward, and whatever else the caller chose untouched."""
     was = device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled()
     if was:
@@ -126,7 +126,7 @@ class _Pass:
 
 
 @functools.cache
-def _rope_of(attention_class: type) -> Callable:
+def rope_of(attention_class: type) -> Callable:
     """The model's own ``apply_rotary_pos_emb``: rotate-half or interleaved, partial or whole."""
     rope = getattr(sys.modules[attention_class.__module__], "apply_rotary_pos_emb", None)
     if rope is None:
@@ -142,7 +142,7 @@ def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
     p.write(p.cache, layer, k, v)
     keys, values = p.cache.view(layer, p.end)  # [1, Hkv, S, D]
     if p.rope:  # keys at their places in the cache; the model's RoPE rotates a pair (q: no heads)
-        keys = _rope_of(type(attn))(keys[:, :0], keys, *p.rope, unsqueeze_dim=1)[1]
+        keys = rope_of(type(attn))(keys[:, :0], keys, *p.rope, unsqueeze_dim=1)[1]
     q = q.transpose(1, 2)  # [1, Hq, n, D]; query head h reads KV head h // group
     if p.causal:  # query i sees slots up to end - n + i: the bottom-right causal rule
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=p.mask, scale=attn.scaling,
@@ -162,7 +162,7 @@ def _attention(attn, h: torch.Tensor, layer: int, cos, sin, passes: list[_Pass])
     v = attn.v_proj(h).view(1, N, -1, D)
     if hasattr(attn, "q_norm"):  # RMSNorm over head_dim, before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q, turned = _rope_of(type(attn))(q, k, cos, sin, unsqueeze_dim=2)  # heads on dim 2
+    q, turned = rope_of(type(attn))(q, k, cos, sin, unsqueeze_dim=2)  # heads on dim 2
     raw, k = (k if any(p.rope for p in passes) else None), turned  # kept for a ring of places only
     o = [_attend(attn, q[:, p.rows], (raw if p.rope else k)[0, p.rows], v[0, p.rows], layer, p)
          for p in passes]
@@ -174,7 +174,7 @@ def _run(model, ids: torch.Tensor, positions: torch.Tensor, passes: list[_Pass])
     body = model.model
     x = body.embed_tokens(ids)  # [1, N, d]
     cos, sin = body.rotary_emb(x, positions)  # [1, N, D]: the model's own RoPE, scaling included
-    with _no_cudnn_attention(ids.device):
+    with no_cudnn_attention(ids.device):
         for i, layer in enumerate(body.layers):
             x = x + _attention(layer.self_attn, layer.input_layernorm(x), i, cos, sin, passes)
             x = x + layer.mlp(layer.post_attention_layernorm(x))

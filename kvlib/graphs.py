@@ -2,12 +2,13 @@
 
 A graph replays a step's hundreds of kernel launches as one, if every tensor keeps its address and
 shape: the preallocated cache, fixed token and position buffers, and attention over a fixed
-``span`` of slots, masked past the position. Spans come in buckets, between a new shape every step
-and reading all ``max_seq`` slots every step. Sampling stays outside (its RNG state would freeze),
-and nothing reads a device value on the host: a replay would reuse the capture's answer.
-
-A graph removes launches, not kernels (microseconds each), so the step runs few per layer: fused
-matmuls over weights held once, RoPE as one matmul, ``F.rms_norm``, split-KV attention."""
+``span`` of slots (buckets of them), masked past the position. Sampling stays outside (its RNG
+state would freeze), and nothing reads a device value on the host: a replay would reuse the
+capture's. A graph removes launches, not kernels, so the step runs few per layer: fused matmuls,
+RoPE as one matmul, ``F.rms_norm``, split-KV: a second implementation of :mod:`kvlib.decoder`'s
+layer, kept in step by the tests ``test_static_step_matches_transformers``,
+``test_static_step_gives_eager_tokens_with_either_attention`` and
+``test_graph_decode_gives_the_static_tokens``."""
 
 import functools
 
@@ -15,11 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from .attention import attend, splits
-from .decoder import _no_cudnn_attention, _parts, _rope_of
+from .decoder import no_cudnn_attention, parts, rope_of
 from .env import resolve
 from .memory import free
 
-__all__ = ["StaticStep", "capture_graph", "fuse"]
+__all__ = ["StaticStep", "capture_graph", "fuse", "span"]
 
 HOST_WAIT_ROPE = ("dynamic", "longrope")  # rotary updates that compare a position on the host
 QKV, QK_NORMS = ("q_proj", "k_proj", "v_proj"), ("q_norm", "k_norm")
@@ -44,19 +45,20 @@ def _norm(norm, x: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def fuse(model) -> None:
     """Each layer's q/k/v (and gate/up) weights and biases as one tensor, of which theirs are
-    views: one matmul, each byte held once; again if they share it no more (``model.to``)."""
-    model.model._kvlib_rope = _rope_of(type(model.model.layers[0].self_attn))
+    views, in place (numbers unchanged), and ``_kvlib_fused`` / ``_kvlib_rope`` on its modules for
+    the static step. Undo: delete those; ``model.to`` gives each weight its own storage again."""
+    model.model._kvlib_rope = rope_of(type(model.model.layers[0].self_attn))
     for module, names in [(m, n) for layer in model.model.layers for m, n in (
-            (layer.self_attn, QKV), (layer.mlp, GATE_UP if _parts(layer.mlp) == MLP else ()))]:
+            (layer.self_attn, QKV), (layer.mlp, GATE_UP if parts(layer.mlp) == MLP else ()))]:
         layers, have = [getattr(module, n) for n in names], getattr(module, "_kvlib_fused", [None])
         if all(have[0] is not None and m.weight.untyped_storage()._cdata ==
                have[0].untyped_storage()._cdata for m in layers):
             continue  # fused already, or an MLP of another kind
         module._kvlib_fused = []
         for kind in ("weight", "bias"):
-            parts, at = [getattr(m, kind) for m in layers], 0
-            whole = None if parts[0] is None else torch.cat([p.detach() for p in parts])
-            for m, p in zip(layers, parts if whole is not None else ()):
+            pieces, at = [getattr(m, kind) for m in layers], 0
+            whole = None if pieces[0] is None else torch.cat([p.detach() for p in pieces])
+            for m, p in zip(layers, pieces if whole is not None else ()):
                 setattr(m, kind, torch.nn.Parameter(whole[at : at + len(p)], p.requires_grad))
                 at += len(p)
             module._kvlib_fused.append(whole)
@@ -110,17 +112,22 @@ def _step(model, token, cache, pos: torch.Tensor, span: int, attention, P: int) 
     x = body.embed_tokens(token)[0]  # [1, d]
     rotations = _rotations(model, x, pos, model.config.num_attention_heads // Hkv)
     step_attention = attend(attention, pos, span, P, x.dtype)
-    with _no_cudnn_attention(x.device):
-        for i, layer in enumerate(body.layers):
-            x = _layer(layer, x, i, rotations[i], step_attention, cache, pos, span)
+    for i, layer in enumerate(body.layers):
+        x = _layer(layer, x, i, rotations[i], step_attention, cache, pos, span)
     return model.lm_head(_norm(body.norm, x))
+
+
+def span(pos: int, bucket: int, max_seq: int) -> int:
+    """Slots attention reads at position ``pos``: the bucket holding it, at most ``max_seq``."""
+    return min(max_seq, (pos // bucket + 1) * bucket)
 
 
 class StaticStep:
     """``step(token [1, 1], pos) -> logits [1, V]``, the graph's output buffer, which the next call
-    overwrites. ``capture=False`` runs it uncaptured, on any device. ``attention``: see
-    :func:`kvlib.attention.attend`. ``compile``: True (inductor) or a backend's name compiles the
-    step whole (``fullgraph``), once per span: never again within a bucket."""
+    overwrites (the graphs share one pool: :func:`kvlib.budget.graph_pool_bytes`). ``capture=False``
+    runs it uncaptured, on any device. ``attention``: see :func:`kvlib.attention.attend`.
+    ``compile``: True (inductor) or a backend's name compiles the step whole, once per span, with
+    room for every span in dynamo's limit. cuDNN attention is off around it, outside the compile."""
 
     def __init__(self, model, cache, *, bucket: int = 256, capture: bool | None = None,
                  attention="split", compile: bool | str = False) -> None:
@@ -135,21 +142,20 @@ class StaticStep:
                                       f"positions on the host, which a static or graph step "
                                       f"cannot do; use step='eager'")
         attend(attention, torch.zeros(1, dtype=torch.long), 1, 1, torch.float32)  # refuse now
-        if model is not None:  # None: a step that only answers span()
-            fuse(model)
+        fuse(model)
         self.model, self.cache, self.bucket, self.device = model, cache, int(bucket), device
-        self.attention, self.run = attention, _step
+        self.attention, self.run, self.compiled = attention, _step, set()
         if compile:
             self.run = torch.compile(_step, fullgraph=True, dynamic=False,
                                      backend="inductor" if compile is True else compile)
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)  # static inputs
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.memory: dict[int, dict[str, int]] = {}
 
     def span(self, pos: int) -> int:
-        """Slots attention reads at position ``pos``: the bucket holding it."""
-        return min(self.cache.max_seq, (pos // self.bucket + 1) * self.bucket)
+        return span(pos, self.bucket, self.cache.max_seq)
 
     @torch.no_grad()
     def __call__(self, token: torch.Tensor, pos: int) -> torch.Tensor:
@@ -158,18 +164,25 @@ class StaticStep:
                              f"into max_seq={self.cache.max_seq}")
         self.token.copy_(token)
         self.pos.fill_(pos)  # a scalar fill: no host sync
-        span = self.span(pos)
-        P = splits(span, self.cache.n_kv_heads, self.device)
-        run = lambda: self.run(self.model, self.token, self.cache, self.pos, span,  # noqa: E731
+        S = self.span(pos)
+        P = splits(S, self.cache.n_kv_heads, self.device)
+        run = lambda: self.run(self.model, self.token, self.cache, self.pos, S,  # noqa: E731
                                self.attention, P)
-        if not self.capture:
-            logits = run()
-        else:
-            if span not in self.graphs:
-                graph, out, self.memory[span] = capture_graph(run, self.device)
-                self.graphs[span] = graph, out
-            graph, logits = self.graphs[span]
-            graph.replay()
+        limits, config = {}, torch._dynamo.config  # read only when a call compiles: a new span
+        if self.run is not _step and S not in self.compiled:
+            self.compiled.add(S)
+            n = config.recompile_limit + -(-self.cache.max_seq // self.bucket)
+            limits = dict(recompile_limit=n, accumulated_recompile_limit=max(
+                n, config.accumulated_recompile_limit))
+        with no_cudnn_attention(self.device), config.patch(**limits):
+            if not self.capture:
+                logits = run()
+            else:
+                if S not in self.graphs:
+                    graph, out, self.memory[S] = capture_graph(run, self.device, self.pool)
+                    self.graphs[S] = graph, out
+                graph, logits = self.graphs[S]
+                graph.replay()
         self.cache.seq_len = pos + 1
         return logits
 
@@ -181,9 +194,10 @@ def _side_stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(index)
 
 
-def capture_graph(run, device: torch.device | str):
+def capture_graph(run, device: torch.device | str, pool=None):
     """``(graph, output, memory)``: ``run()`` captured after two warm-up calls (lazy init must not
-    be captured); ``memory``: what it added, from an emptied cache, as the capture empties it."""
+    be captured), into ``pool`` (``torch.cuda.graph_pool_handle()``) if given, else a private one;
+    ``memory``: what it added, from an emptied cache, as the capture empties it."""
     device = resolve(device)
     stream = _side_stream(device.index)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -194,7 +208,7 @@ def capture_graph(run, device: torch.device | str):
     free(device)
     before = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
         output = run()
     memory = {"allocated": torch.cuda.memory_allocated(device) - before[0],
               "reserved": torch.cuda.memory_reserved(device) - before[1]}

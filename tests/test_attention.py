@@ -138,3 +138,24 @@ def test_compiled_step_is_one_graph_per_bucket(monkeypatch, request):
     step = StaticStep(model, cache, bucket=16, capture=False, compile="aot_eager")
     assert kvlib.generate(model, ids, 24, step=step).tokens == want  # fullgraph: no break
     assert counters["stats"]["unique_graphs"] == 2  # positions 21..44: spans 32 and 48
+
+
+@pytest.mark.parametrize("P", [0, 3, 5, 7])
+def test_split_kv_refuses_a_split_that_does_not_divide_the_span(P):
+    q, keys = torch.randn(2, 3, 16), torch.randn(1, 2, 64, 16)
+    with pytest.raises(ValueError, match=f"P={P} does not divide the 64 slots"):
+        split_kv(q, keys, keys, torch.zeros(64), 0.25, P)
+
+
+def test_the_torch_floor_has_what_split_kv_calls():
+    """``torch.bmm(..., out_dtype=)`` (split-KV's fp32 scores in one kernel) came in torch 2.8:
+    requirements.txt and pyproject.toml must not accept an older torch."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    floors = {tuple(int(x) for x in re.search(r"torch>=(\d+)\.(\d+)", (root / f).read_text())
+                    .groups()) for f in ("requirements.txt", "pyproject.toml")}
+    assert floors == {(2, 8)}, floors
+    a = torch.ones(1, 2, 2, dtype=torch.bfloat16, device="meta")
+    assert torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32

@@ -1,28 +1,23 @@
 """kvlib's CUDA-only code, run on the CPU through torch's own Python layer.
 
-Only what lies under that layer is faked (:class:`FakeDriver`): the ``torch._C._cuda_*`` calls,
-``cudaMemGetInfo``, the device properties, and, because a CPU build of torch has no CUDA stream,
-event or graph classes at all (their C bases are dummies), ``torch.cuda.Stream``, ``Event`` and
-``CUDAGraph``. Everything between kvlib and those calls is the real ``torch.cuda``: its argument
+Only what lies under that layer is faked (:class:`fake_card.FakeDriver`): the ``torch._C._cuda_*``
+calls, ``cudaMemGetInfo``, the device properties, and the stream, event and graph classes a CPU
+build lacks. Everything between kvlib and those calls is the real ``torch.cuda``: its argument
 checks (a device without an index, a fraction that is not a float), its lazy initialisation guards,
 its stream context managers, ``torch.cuda.graph``. So an argument torch would refuse on a GPU is
-refused here too, in CI.
-
-The fake graph records the aten ops of the captured call and replays exactly those ops on the same
-tensors, so a step that keeps a host value (a Python int, a ``.item()``) in what it captures gives
-wrong tokens here, as it would on a GPU; a host sync during capture raises, as CUDA does, and so
-does a tensor made from host data (a list index), which CUDA would copy from unpinned memory.
+refused here too, in CI. The tensors here are real CPU tensors: the fake graph replays their ops,
+so a host value frozen into a capture gives wrong tokens. ``test_fake_card.py`` walks the same
+code with fake CUDA tensors at three cards.
 
 Run on a real GPU too (the GPU check does): then it checks kvlib against that machine's torch.
 """
 
 import contextlib
 import pickle
-import types
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
+from fake_card import GIB, MIB, SYNCS, FakeDriver, _fresh, forget_side_streams
 from helpers import SHARED, tiny_model
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -37,229 +32,16 @@ from course import bench, memory_trace
 from kvlib import env, graphs, loop, memory, timing
 from kvlib.kv_cache import KVCache
 
-GIB, MIB = 2**30, 2**20
-SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
-
-
-class FakeDriver:
-    """Two cards (the current one is 1, so an index silently defaulted to 0 shows), an allocator
-    with numbers the test sets, an event clock the test advances, and stream / graph bookkeeping."""
-
-    def __init__(self, capability=(9, 0), total=80 * GIB, count=2, current=1):
-        self.capability, self.total, self.count, self.current = capability, total, count, current
-        self.fraction = {i: 1.0 for i in range(count)}
-        self.allocated, self.cached, self.pools = 0, 0, 0  # bytes, on the current card
-        self.peak_allocated = self.peak_reserved = 0
-        self.used_outside = 600 * MIB  # the CUDA context and anything not ours
-        self.clock_ms, self.synced_at = 0.0, 0.0
-        self.stream_ids = iter(range(100, 10**6))
-        self.current_stream = {i: 0 for i in range(count)}  # 0: the default stream
-        self.config, self.expandable, self.history = "", None, []
-        self.calls: list[tuple] = []
-
-    # -- what torch._C and torch.cuda's module globals would reach -----------------------------
-    def index(self, i, name):
-        assert isinstance(i, int) and 0 <= i < self.count, f"{name} got device {i!r}"
-        self.calls.append((name, i))
-        return i
-
-    @property
-    def reserved(self):
-        return self.allocated + self.cached + self.pools
-
-    def mem_get_info(self, i):
-        self.index(i, "cudaMemGetInfo")
-        return self.total - self.used_outside - self.reserved, self.total
-
-    def memory_stats(self, i):
-        self.index(i, "memoryStats")
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
-        self.peak_reserved = max(self.peak_reserved, self.reserved)
-        allocated = {"current": self.allocated, "peak": self.peak_allocated}
-        reserved = {"current": self.reserved, "peak": self.peak_reserved}
-        return {"allocated_bytes": {"all": allocated}, "reserved_bytes": {"all": reserved}}
-
-    def reset_peak(self, i):
-        self.index(i, "resetPeakMemoryStats")
-        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
-
-    def set_fraction(self, fraction, i):
-        assert isinstance(fraction, float) and 0 <= fraction <= 1, fraction
-        self.fraction[self.index(i, "setMemoryFraction")] = fraction
-
-    def properties(self, i):
-        self.index(i, "getDeviceProperties")
-        major, minor = self.capability
-        return types.SimpleNamespace(name=f"Fake GPU sm{major}{minor}", major=major, minor=minor,
-                                     total_memory=self.total, multi_processor_count=132)
-
-    def snapshot(self, *_):
-        segments = [] if self.expandable is None else [
-            {"device": self.current, "is_expandable": self.expandable, "total_size": self.reserved}]
-        return {"segments": segments, "device_traces": [list(self.history)]}
-
-    def set_stream(self, stream_id, device_index, device_type):
-        self.current_stream[self.index(device_index, "setStream")] = stream_id
-
-    def install(self, mp):
-        C = torch._C
-        stubs = {
-            "_cuda_getDeviceCount": lambda: self.count, "_cuda_getDevice": lambda: self.current,
-            "_cuda_setMemoryFraction": self.set_fraction,
-            "_cuda_getMemoryFraction": lambda i: self.fraction[self.index(i, "getMemoryFraction")],
-            "_cuda_memoryStats": self.memory_stats, "_cuda_resetPeakMemoryStats": self.reset_peak,
-            "_cuda_emptyCache": lambda: setattr(self, "cached", 0),
-            "_host_emptyCache": lambda: None,
-            "_cuda_synchronize": lambda: setattr(self, "synced_at", self.clock_ms),
-            "_cuda_getCurrentStream": lambda i: (self.current_stream[i], i, 1),
-            "_cuda_getDefaultStream": lambda i: (0, i, 1), "_cuda_setStream": self.set_stream,
-            "_cuda_getAllocatorBackend": lambda: "native",
-            "_accelerator_getAllocatorSettings": lambda: self.config,
-            "_cuda_memorySnapshot": self.snapshot,
-            "_cuda_record_memory_history": lambda enabled, *a: self.history.append(enabled),
-        }
-        for name, fn in stubs.items():
-            mp.setattr(C, name, fn, raising=False)
-        cuda = torch.cuda
-        mp.setattr(cuda, "_initialized", True)  # what torch._C._cuda_init() leaves behind
-        mp.setattr(cuda, "_cached_device_count", None)
-        mp.setattr(cuda, "_device_count_nvml", lambda: -1)  # on a real card NVML would answer
-        mp.setattr(cuda, "default_generators", tuple(torch.Generator() for _ in range(self.count)))
-        mp.setattr(cuda, "_cudart", types.SimpleNamespace(cudaMemGetInfo=self.mem_get_info))
-        mp.setattr(cuda, "_get_device_properties", self.properties, raising=False)
-        mp.setattr(cuda, "_exchange_device", lambda i: self.swap(i))
-        mp.setattr(cuda, "_maybe_exchange_device", lambda i: self.swap(i))
-        mp.setattr(cuda, "Stream", _stream_class(self))
-        mp.setattr(cuda, "Event", _event_class(self))
-        mp.setattr(cuda, "CUDAGraph", _graph_class(self))
-        mp.setattr(cuda.graph, "default_capture_stream", None)
-
-    def swap(self, i):
-        previous = self.current
-        if i >= 0:
-            self.current = self.index(i, "exchangeDevice")
-        return previous
-
-
-def _stream_class(driver):
-    class Stream:
-        def __init__(self, device=None, priority=0, stream_id=None, device_index=None,
-                     device_type=1):
-            index = torch._utils._get_device_index(device, optional=True)
-            index = index if device_index is None else device_index
-            self.device_index = driver.index(index, "Stream")
-            self.stream_id = next(driver.stream_ids) if stream_id is None else stream_id
-            self.device_type, self.waited = device_type, []
-
-        @property
-        def device(self):
-            return torch.device("cuda", self.device_index)
-
-        def wait_stream(self, other):
-            self.waited.append(other.stream_id)
-
-        def __eq__(self, other):
-            return (self.stream_id, self.device_index) == (other.stream_id, other.device_index)
-
-        __hash__ = None
-
-    return Stream
-
-
-def _event_class(driver):
-    class Event:
-        """Reads the driver's clock when recorded; its time is known only after a synchronize."""
-
-        def __init__(self, enable_timing=False, **kwargs):
-            self.enable_timing, self.at = enable_timing, None
-
-        def record(self, stream=None):
-            self.at = driver.clock_ms
-
-        def elapsed_time(self, end):
-            assert self.enable_timing and end.enable_timing, "events made without enable_timing"
-            if max(self.at, end.at) > driver.synced_at:
-                raise RuntimeError("CUDA error: device not ready")  # cudaErrorNotReady
-            return end.at - self.at
-
-    return Event
-
-
-class _Recorder(TorchDispatchMode):
-    def __init__(self, graph):
-        super().__init__()
-        self.graph = graph
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in SYNCS:  # the host cannot wait for a stream that is capturing
-            raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing "
-                               f"({func})")
-        if func is torch.ops.aten.lift_fresh.default:  # a tensor made from host data (a list
-            # index, torch.tensor(...)): on a GPU, a copy from unpinned host memory, refused
-            raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture "
-                               "unless the CPU tensor is pinned")
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self.graph.ops.append((func, args, kwargs, out))
-        return out
-
-
-def _fresh(out, args) -> list[torch.Tensor]:
-    """Outputs with storage of their own: not views of, or in-place on, an input."""
-    inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(args)
-              if isinstance(t, torch.Tensor)}
-    return [t if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs
-            else None for t in pytree.tree_leaves(out)]
-
-
-def _graph_class(driver):
-    class CUDAGraph:
-        """Records the captured call's ops; ``replay`` runs exactly those on the same tensors,
-        writing each new result into the tensor the capture produced."""
-
-        def __init__(self, *args, **kwargs):
-            self.ops, self.pool_bytes, self.recorder = [], 0, None
-
-        def capture_begin(self, *pool, **kwargs):
-            self.stream = driver.current_stream[driver.current]
-            assert self.stream != 0, "capture on the default stream"
-            driver.capturing, self.recorder = self, _Recorder(self)
-            self.recorder.__enter__()
-
-        def capture_end(self):
-            self.recorder.__exit__(None, None, None)
-            driver.capturing = None
-            self.pool_bytes = sum(t.nbytes for func, args, kw, out in self.ops
-                                  for t in _fresh(out, (args, kw)) if t is not None)
-            driver.pools += self.pool_bytes  # the graph's private pool, reserved while it lives
-
-        def replay(self):
-            driver.calls.append(("replay", driver.current))
-            for func, args, kwargs, out in self.ops:
-                new = pytree.tree_leaves(func(*args, **kwargs))
-                for old, value in zip(_fresh(out, (args, kwargs)), new, strict=True):
-                    if old is not None:
-                        old.copy_(value)
-
-    return CUDAGraph
-
-
-def _forget_side_streams():
-    """A fake stream must not outlive the fake driver, nor a real one be handed to it."""
-    if hasattr(graphs, "_side_stream"):
-        graphs._side_stream.cache_clear()
+CUDA1 = torch.device("cuda", 1)
 
 
 @pytest.fixture
 def driver(monkeypatch):
     fake = FakeDriver()
     fake.install(monkeypatch)
-    _forget_side_streams()
+    forget_side_streams()
     yield fake
-    _forget_side_streams()
-
-
-CUDA1 = torch.device("cuda", 1)
+    forget_side_streams()
 
 
 # --- device index (a bare "cuda" is the current card, with its index) ---------------------------

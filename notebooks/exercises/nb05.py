@@ -1,8 +1,8 @@
 """Exercises of notebook 05 (static shapes and CUDA graphs): checks and reference solutions.
 
-The answers are checked against kvlib itself (:class:`kvlib.graphs.StaticStep` and
-:class:`kvlib.KVCache` on the ``meta`` device: shapes, no memory), so they print the same thing
-on every machine.
+The answers are checked against kvlib itself (:func:`kvlib.graphs.span`, the rule
+:class:`kvlib.graphs.StaticStep` reads by, and :class:`kvlib.KVCache` on the ``meta`` device:
+shapes, no memory), so they print the same thing on every machine.
 
 Throughout, ``t`` is the number of slots the cache holds before a decode step: the step writes
 slot ``t`` and attends over ``t + 1`` slots.
@@ -14,17 +14,16 @@ import sys
 
 import torch
 
-from kvlib import KVCache
+from kvlib import KVCache, graphs
 from kvlib.config import GIB, MIB, kv_bytes_per_token, load_config
-from kvlib.graphs import StaticStep
 
 from .checking import attempt, check, expect
 
 # What each exercise builds, hidden from the learner's function while a check calls it. The
 # reference solutions are hidden too: the notebook imports this module.
 _HERE = sys.modules[__name__]
-PICK = ((StaticStep, "span"), (_HERE, "pick_bucket_solution"))
-TRACE = ((StaticStep, "span"), (_HERE, "trace_waste_solution"))
+PICK = ((graphs, "span"), (_HERE, "pick_bucket_solution"))
+TRACE = ((graphs, "span"), (_HERE, "trace_waste_solution"))
 
 # --- 1. the smallest bucket within a graph limit, and what it reads masked ----------------
 
@@ -51,15 +50,9 @@ def pick_bucket_solution(config, dtype: torch.dtype, max_seq: int, max_graphs: i
     return (bucket, masked) if masked <= max_masked_bytes else None
 
 
-def _static_step(max_seq: int, bucket: int) -> StaticStep:
-    cache = KVCache(1, max_seq, 1, 1, device="meta", dtype=torch.float32)
-    return StaticStep(None, cache, bucket=bucket, capture=False)  # span() needs no model
-
-
 def _graphs_and_worst(max_seq: int, bucket: int) -> tuple[int, int]:
     """StaticStep's count: distinct spans over the cache, and the most masked slots of a step."""
-    step = _static_step(max_seq, bucket)
-    spans = [step.span(t) for t in range(max_seq)]
+    spans = [graphs.span(t, bucket, max_seq) for t in range(max_seq)]
     return len(set(spans)), max(s - t - 1 for t, s in enumerate(spans))
 
 
@@ -146,7 +139,7 @@ def trace_waste_solution(config, dtype: torch.dtype, max_seq: int, bucket: int, 
 def _true_trace(config, dtype: torch.dtype, max_seq: int, bucket: int, t0: int,
                 steps: int) -> tuple[int, int]:
     """StaticStep's spans over the trace; a slot's bytes from the cache's own views."""
-    spans = [_static_step(max_seq, bucket).span(t) for t in range(t0, t0 + steps)]
+    spans = [graphs.span(t, bucket, max_seq) for t in range(t0, t0 + steps)]
     cache = KVCache.for_model(config, max_seq, device="meta", dtype=dtype)
     slot_bytes = sum(x.nbytes for layer in range(cache.n_layers) for x in cache.view(layer, 1))
     masked = sum(span - (t + 1) for t, span in zip(range(t0, t0 + steps), spans))
