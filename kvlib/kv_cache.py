@@ -6,8 +6,8 @@ block SDPA reads is contiguous; ``"seq"`` makes the write contiguous instead.
 
 import torch
 
-from .cache import bytes_per_token, check_crop, check_kv, check_view
 from .config import MIB, head_dim, kv_heads
+from .contract import bytes_per_token, check_crop, check_kv, check_view
 from .env import default_device
 
 __all__ = ["KVCache", "LAYOUTS"]

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from .budget import Budget, plan_budget
-from .cache import check_crop, check_kv, check_view
 from .config import head_dim, kv_heads, size
+from .contract import check_crop, check_kv, check_view
 from .env import default_device
 
 __all__ = ["FORMATS", "QuantCache", "WindowBudget", "kv_format_bytes", "plan_kv"]
