@@ -2,22 +2,18 @@
 plugs into the loop, the meter and the static step without a branch. A step writes ``[n, Hkv, D]``
 per layer at ``start``, reads ``[1, Hkv, S, D]``; the loop advances ``seq_len`` after every layer.
 
-Beyond :class:`Cache`, a cache may offer capabilities, each a protocol below, documented there
-once; the loop, the decoder, prompt lookup and the static step ask :func:`offers`, and nothing
-else probes a cache. :func:`offers` asks the object (``hasattr``), so a wrapper that forwards
-attributes (:class:`~kvlib.meter.MeteredCache`) offers what it wraps; it costs under a
-microsecond a question, where ``isinstance`` on a runtime-checkable protocol costs 15-20 (and
-from Python 3.12 would not see a forwarded attribute), and the decoder asks once per forward.
+A cache may offer more: each capability is a protocol below, documented there once, and the loop,
+decoder, prompt lookup and static step ask :func:`offers` (``hasattr`` on the object, so a wrapper
+that forwards attributes offers what it wraps: under a microsecond a question, where ``isinstance``
+on a runtime-checkable protocol costs 15-20, and from Python 3.12 misses forwarded attributes).
 
-:class:`~kvlib.latent_cache.LatentCache` keeps the bookkeeping (``seq_len``, ``max_seq``,
-``nbytes``, ``reset``) and :class:`Rollback`, but not ``write``/``view`` of per-head K/V: MLA
-caches one latent and one shared RoPE key a token, no K or V per head, so the eager decoder and
-the static step cannot read it; ``generate`` runs it through its own latent forward.
-"""
+:class:`~kvlib.latent_cache.LatentCache` keeps the bookkeeping and :class:`Rollback`, not per-head
+``write``/``view``: MLA caches one latent and one shared RoPE key a token, so ``generate`` runs it
+through the latent forward, and the eager decoder and the static step refuse it."""
 
 import functools
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -25,74 +21,69 @@ from .config import kv_token_bytes
 
 __all__ = ["CAPABILITIES", "Cache", "Positions", "PrefixReuse", "Rollback", "StaticWrites",
            "Window", "at_places", "bytes_per_token", "check_crop", "check_fits", "check_ids",
-           "check_kv", "check_start", "check_view", "offers"]
+           "check_kv", "check_start", "check_view", "crop_slots", "offers"]
 
 
+@runtime_checkable
 class Cache(Protocol):
     n_layers: int
     n_kv_heads: int
     head_dim: int
     max_seq: int | None  # None: grows until memory runs out
     seq_len: int  # valid slots; slots past it are never read
-
-    @property
-    def dtype(self) -> torch.dtype: ...
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def nbytes(self) -> int: ...
+    dtype: torch.dtype
+    device: torch.device
+    nbytes: int
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
-
     def view(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-
     def reset(self) -> None: ...
 
 
+@runtime_checkable
 class Rollback(Protocol):
     """``crop(seq_len)``: afterwards the cache reads exactly as if only its first ``seq_len``
-    tokens had ever been written (speculative decoding relies on it); a crop it cannot keep that
-    promise for is refused, changing nothing."""
+    tokens had ever been written (speculative decoding relies on it), or it refuses, unchanged."""
 
     def crop(self, seq_len: int) -> None: ...
 
 
+@runtime_checkable
 class Positions(Protocol):
-    """A cache that holds some positions only (a ring): ``visible(start, n)`` ``[n, S]`` bool says
-    which keys of its view each of ``n`` queries at ``start`` sees; ``positions`` is what RoPE
-    rotates a key by: ``"absolute"``, its position in the text, or ``"cache"``, its place in the
-    cache, which ``places(start, n)`` ``[S]`` gives for each key read (the new tokens last)."""
+    """A cache that holds some positions only (a ring), of the view ``n`` tokens at ``start`` read:
+    ``visible(start, n)`` ``[n, S]`` bool, the keys each query of a chunk (``n > 1``) sees; and
+    ``positions``, what RoPE rotates a key by: ``"absolute"``, its position in the text, or
+    ``"cache"``, its place in the cache, ``places(start, n)`` ``[S]`` for each key."""
 
     positions: str
 
     def visible(self, start: int, n: int) -> torch.Tensor: ...
-
     def places(self, start: int, n: int) -> torch.Tensor: ...
 
 
+@runtime_checkable
 class Window(Protocol):
-    """Attention over the last ``window`` positions, and the first ``sinks`` always; positions are
-    written in order, so a forward continues at ``seq_len``."""
+    """Attention over the last ``window`` positions and the first ``sinks``; positions are written
+    in order (a write anywhere else is refused)."""
 
     window: int
     sinks: int
 
 
+@runtime_checkable
 class PrefixReuse(Protocol):
     """A prefix cache: ``reuse(tokens)``, for an empty request, holds the cached slots its prompt
-    starts with and returns how many; ``remember(tokens, start)`` says which tokens fill the slots
-    from ``start`` once they are written, so later requests may reuse them."""
+    starts with and says how many; ``remember(tokens, start)``: the tokens of the slots from
+    ``start``, once written, so that later requests may reuse them."""
 
     def reuse(self, tokens: list[int]) -> int: ...
-
     def remember(self, tokens: list[int], start: int = 0) -> None: ...
 
 
+@runtime_checkable
 class StaticWrites(Protocol):
-    """``write_at(layer, pos, k, v)``: the slots are a device tensor ``[n]``, so a CUDA graph
-    replays the write at a new position; the caller checks the range on the host."""
+    """``write_at(layer, pos, k, v)``, the slots a device tensor ``[n]``: a CUDA graph replays the
+    write at a new position (the caller checks the range on the host)."""
 
     def write_at(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
@@ -102,9 +93,8 @@ CAPABILITIES = (Rollback, Positions, Window, PrefixReuse, StaticWrites)
 
 @functools.cache
 def _members(protocol: type) -> tuple[str, ...]:
-    return (*protocol.__annotations__,
-            *(n for n, f in vars(protocol).items() if callable(f) and not n.startswith("_")),
-            *(n for n, f in vars(protocol).items() if isinstance(f, property)))
+    return (*protocol.__annotations__, *(n for n, f in vars(protocol).items()
+                                         if callable(f) and not n.startswith("_")))
 
 
 def offers(cache, capability: type) -> bool:
@@ -115,6 +105,11 @@ def offers(cache, capability: type) -> bool:
 def at_places(cache) -> bool:
     """Does RoPE rotate this cache's keys by their places in it, not their positions in the text?"""
     return offers(cache, Positions) and cache.positions == "cache"
+
+
+def bytes_per_token(cache: Cache) -> int:
+    """KV cost of one more token in ``cache``, all layers, K and V."""
+    return kv_token_bytes(cache.n_layers, cache.n_kv_heads, cache.head_dim, cache.dtype)
 
 
 def check_ids(model, ids, who: str = "") -> None:
@@ -137,28 +132,18 @@ def check_ids(model, ids, who: str = "") -> None:
 
 
 def check_fits(model, cache, names: str, have: tuple, want: tuple, who: str = "") -> None:
-    """Refuse a cache this model cannot run over, before anything is written: its numbers
-    (``names``: the cache's ``have``, the model's ``want``), dtype and device are the model's."""
+    """Refuse a cache the model cannot run over, before a write: its ``names`` (``have``, the
+    model's ``want``), its dtype and device must be the model's."""
     if have != want or (cache.dtype, cache.device) != (model.dtype, model.device):
         raise ValueError(f"{who}the cache has {names} {have}, {cache.dtype} on {cache.device}; "
                          f"the model needs {want}, {model.dtype} on {model.device}")
 
 
-def bytes_per_token(cache: Cache) -> int:
-    """KV cost of one more token in ``cache``, all layers, K and V."""
-    return kv_token_bytes(cache.n_layers, cache.n_kv_heads, cache.head_dim, cache.dtype)
-
-
-def check_start(cache, start: int, n: int, held: int | None = None, who: str = "") -> None:
-    """Refuse ``n`` tokens at ``start`` before anything is written: a forward reads every slot
-    before ``start``, so it continues from the ``held`` slots (``seq_len``) or rewrites some."""
-    held = cache.seq_len if held is None else held
-    if not isinstance(start, int) or not 0 <= start <= held:
-        raise ValueError(f"{who}start {start!r}: the cache holds {held} slots, so a forward "
-                         f"starts at 0..{held} (past them it would read slots never written)")
-    if offers(cache, Window) and start != held:
-        raise ValueError(f"{who}a ring writes positions in order: start {start}, it holds "
-                         f"0..{held}; crop({start}) first")
+def check_start(cache, start: int, n: int, who: str = "") -> None:
+    """Refuse ``n`` tokens at slot ``start`` before a write (a ring or a ``cat`` refuses a start it
+    cannot continue from itself, at the first layer's write, before writing)."""
+    if not isinstance(start, int) or start < 0:
+        raise ValueError(f"{who}start {start!r}: a forward writes at a slot, an int >= 0")
     if cache.max_seq is not None and start + n > cache.max_seq:
         raise ValueError(f"{who}KV overflow: writing slots {start}..{start + n} into "
                          f"max_seq={cache.max_seq}")
@@ -200,3 +185,10 @@ def check_crop(cache, seq_len: int) -> None:
     """Refuse a crop to more slots than the cache holds, or fewer than none, before any change."""
     if not 0 <= seq_len <= cache.seq_len:
         raise ValueError(f"crop to {seq_len} slots: the cache holds {cache.seq_len}")
+
+
+def crop_slots(cache, seq_len: int) -> None:
+    """A preallocated cache's crop: keep the first ``seq_len`` slots, exactly, since each slot's
+    bytes are its own token's; the rest are never read again, so no byte moves."""
+    check_crop(cache, seq_len)
+    cache.seq_len = seq_len

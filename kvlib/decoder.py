@@ -237,21 +237,20 @@ def forward(model, ids, cache, start) -> torch.Tensor:
     if not len(ids) == len(caches) == len(starts) > 0:
         raise ValueError(f"a batch needs one prompt, cache and start per request: got {len(ids)} "
                          f"prompts, {len(caches)} caches, {len(starts)} starts")
-    held = {}  # a cache met again (rows at consecutive slots) continues from the rows before
     for r, (x, c, s) in enumerate(zip(ids, caches, starts)):
         who = f"request {r}: " if batch else ""
         check_ids(model, x, who)
         check_cache(model, c, who)
         if isinstance(c, LatentCache) and len(caches) > 1:
             raise ValueError(f"{who}a LatentCache runs one request a forward")
-        check_start(c, s, x.shape[1], held.get(id(c), c.seq_len), who)
-        held[id(c)] = s + x.shape[1]
-    return _forward(model, list(ids), list(caches), list(starts))
+        check_start(c, s, x.shape[1], who)
+    return _forward(model, list(ids), list(caches), list(starts), pack=batch)
 
 
-def _forward(model, ids: list, caches: list, starts: list) -> torch.Tensor:
+def _forward(model, ids: list, caches: list, starts: list, pack: bool = True) -> torch.Tensor:
     """:func:`forward` unchecked, for the loop: its ids were checked at its door or made by the
-    model, and a check of their values would wait on the device at every step."""
+    model, and a check of their values would wait on the device at every step. ``pack=False``:
+    one request's ids run as they are, uncopied (a list is packed, even a list of one)."""
     if isinstance(caches[0], LatentCache):  # no K or V per head: MLA's own forward
         return run_latent(model, ids[0], caches[0], starts[0])
     bounds = [0, *accumulate(int(x.shape[-1]) for x in ids)]  # request i: bounds[i]..bounds[i+1]
@@ -260,7 +259,7 @@ def _forward(model, ids: list, caches: list, starts: list) -> torch.Tensor:
     device = ids[0].device
     positions = torch.cat([torch.arange(p.at, p.at + x.shape[-1], device=device)
                            for p, x in zip(passes, ids)])
-    packed = torch.cat(ids, 1) if len(ids) > 1 else ids[0]
+    packed = torch.cat(ids, 1) if pack else ids[0]
     logits = _run(model, packed, positions.unsqueeze(0), passes)
     for p in passes:
         p.cache.seq_len = p.end

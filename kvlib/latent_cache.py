@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb
 
 from .config import size
-from .contract import check_crop, check_fits, check_ids, check_start, check_view
+from .contract import check_fits, check_ids, check_start, check_view, crop_slots
 from .env import default_device
 
 __all__ = ["LatentCache", "forward_latent"]
@@ -54,10 +54,7 @@ class LatentCache:
     def reset(self) -> None:  # new request, same memory
         self.seq_len = 0
 
-    def crop(self, seq_len: int) -> None:
-        """Keep the first ``seq_len`` slots: a slot's latent and key depend on its token alone."""
-        check_crop(self, seq_len)
-        self.seq_len = seq_len
+    crop = crop_slots
 
     def write(self, layer: int, start: int, latent: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Write ``latent [n, R]``, ``k_pe [n, P]`` at ``start``, or refuse and change nothing."""

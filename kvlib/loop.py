@@ -70,15 +70,14 @@ class Generation:
 
 @dataclass
 class _Request:
-    """One request as the phases see it: ``ids`` ``[1, n]``, the prompt past what a prefix cache
-    held (``cached`` tokens), computed into ``cache`` from slot ``start``."""
+    """One request: ``ids`` ``[1, n]``, its prompt past the ``cached`` tokens a prefix cache held,
+    computed into ``cache`` from slot ``start``."""
 
     ids: torch.Tensor
     cache: Cache
     max_new: int
     cached: int = 0
     start: int = 0
-
     fed = property(lambda self: self.start + self.ids.shape[1])  # the first new token's slot
 
 
@@ -111,24 +110,20 @@ def _decode_step(model, cache: Cache, step, bucket: int):
 
 
 def _check_prompt(model, ids, max_new_tokens, who: str) -> torch.Tensor:
-    """One request's prompt ``[1, n]`` on the model's device, refused with the numbers if it is
-    not token ids, or if nothing would be made."""
+    """A request's prompt as ``[1, n]`` on the model's device, refused unless it is token ids."""
     if not isinstance(ids, torch.Tensor) or ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
-        raise ValueError(f"{who}one prompt per request: input_ids is "
-                         f"{list(ids.shape) if isinstance(ids, torch.Tensor) else type(ids)}, "
-                         f"expected [1, n] or [n]; pass a list of prompts for a batch")
-    n = ids.shape[-1] if ids.dim() else 0
-    if n < 1 or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"{who}one prompt per request: input_ids is {getattr(ids, 'shape', ids)}"
+                         f", expected [1, n] or [n]; pass a list of prompts for a batch")
+    if not ids.numel() or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"{who}need a prompt and max_new_tokens >= 1, "
-                         f"got {n} prompt tokens, {max_new_tokens}")
-    ids = ids.reshape(1, -1).to(model.device)
-    check_ids(model, ids, who)
+                         f"got {ids.numel()} prompt tokens, {max_new_tokens}")
+    check_ids(model, ids := ids.reshape(1, -1).to(model.device), who)
     return ids
 
 
 def _check_request(model, r: _Request, prefill_chunk, extrapolate: bool, who: str) -> None:
-    """Refuse, with the numbers, a request past the cache's slots or the model's positions, or a
-    cache the model cannot run over."""
+    """Refuse, with the numbers, a cache the model cannot run over, or a request past the cache's
+    slots or the model's positions."""
     n, start, cache = r.ids.shape[1], r.cache.seq_len, r.cache
     check_cache(model, cache, who)
     if not isinstance(cache, LatentCache):
@@ -149,34 +144,31 @@ def _check_request(model, r: _Request, prefill_chunk, extrapolate: bool, who: st
                          f"there")
 
 
-def _check(model, prompts: list, max_new_tokens, cache, max_seq, step, prefill_chunk,
-           extrapolate: bool) -> list[_Request]:
-    """Every request checked whole before anything changes: a refusal leaves every cache, pool
-    and prefix index as it was."""
+def _check(model, prompts: list, news, caches, max_seq, step, chunk, extrapolate) -> list:
+    """Every request checked whole, before any cache changes: a refusal changes nothing."""
     B = len(prompts)
-    news = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [
-        max_new_tokens] * B
-    given = list(cache) if isinstance(cache, (list, tuple)) else [cache] * B
-    if B == 0 or len(news) != B or len(given) != B or (B > 1 and step != "eager"):
+    news = list(news) if isinstance(news, (list, tuple)) else [news] * B
+    caches = list(caches) if isinstance(caches, (list, tuple)) else [caches] * B
+    if B == 0 or len(news) != B or len(caches) != B or (B > 1 and step != "eager"):
         raise ValueError(f"a batch of {B} requests needs {B} max_new_tokens and {B} caches (got "
-                         f"{len(news)} and {len(given)}) and step='eager' (got {step!r})")
-    if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
-        raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
+                         f"{len(news)} and {len(caches)}) and step='eager' (got {step!r})")
+    if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"prefill_chunk must be an int >= 1, got {chunk!r}")
     who = [f"request {r}: " if B > 1 else "" for r in range(B)]
     ids = [_check_prompt(model, x, m, w) for x, m, w in zip(prompts, news, who)]
     reqs = [_Request(x, _cache(model, c, step, max_seq or x.shape[1] + m), m)
-            for x, c, m in zip(ids, given, news)]
+            for x, c, m in zip(ids, caches, news)]
     if len({id(r.cache) for r in reqs}) < B:
         raise ValueError(f"the {B} requests of a batch need a cache each: pass {B} caches")
     if B > 1 and any(isinstance(r.cache, LatentCache) for r in reqs):
         raise ValueError(f"a LatentCache runs one request (the latent forward): got {B}")
     for r, w in zip(reqs, who):
-        _check_request(model, r, prefill_chunk, extrapolate, w)
+        _check_request(model, r, chunk, extrapolate, w)
     return reqs
 
 
 def _sampler(device, temperature: float, top_k, top_p, seed):
-    """``pick(logits [B, V]) -> [B, 1]`` for every step, refusing settings that mean nothing."""
+    """``pick(logits [B, V]) -> [B, 1]``, refusing settings that mean nothing."""
     if temperature < 0 or (top_k or 0) < 0 or (top_p is not None and not 0 < top_p <= 1):
         raise ValueError(f"sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1: got "
                          f"{temperature}, {top_k}, {top_p}")
@@ -259,7 +251,7 @@ def generate(model, input_ids, max_new_tokens, *, cache="prealloc",
     ``"cat"``, or a cache object, continued from its ``seq_len``. ``prefill_chunk`` bounds the
     prefill's workspace. A request past ``max_position_embeddings`` is refused unless
     ``extrapolate``. A list of prompts is a ragged batch: each request keeps its own length, EOS,
-    ``max_new_tokens`` and cache. Everything is checked before any cache changes.
+    ``max_new_tokens`` and cache. All is checked first: a refused call changes no cache.
 
     ``step``: ``"eager"`` slices attention to the length; ``"static"`` reads fixed spans of
     ``bucket`` slots with a mask; ``"graph"`` replays those as CUDA graphs; a :class:`StaticStep`
