@@ -44,7 +44,6 @@ class Cache(Protocol):
 class Rollback(Protocol):
     """``crop(seq_len)``: afterwards the cache reads exactly as if only its first ``seq_len``
     tokens had ever been written (speculative decoding relies on it), or it refuses, unchanged."""
-
     def crop(self, seq_len: int) -> None: ...
 
 
@@ -54,7 +53,6 @@ class Positions(Protocol):
     ``visible(start, n)`` ``[n, S]`` bool, the keys each query of a chunk (``n > 1``) sees; and
     ``positions``, what RoPE rotates a key by: ``"absolute"``, its position in the text, or
     ``"cache"``, its place in the cache, ``places(start, n)`` ``[S]`` for each key."""
-
     positions: str
 
     def visible(self, start: int, n: int) -> torch.Tensor: ...
@@ -65,7 +63,6 @@ class Positions(Protocol):
 class Window(Protocol):
     """Attention over the last ``window`` positions and the first ``sinks``; positions are written
     in order (a write anywhere else is refused)."""
-
     window: int
     sinks: int
 
@@ -75,7 +72,6 @@ class PrefixReuse(Protocol):
     """A prefix cache: ``reuse(tokens)``, for an empty request, holds the cached slots its prompt
     starts with and says how many; ``remember(tokens, start)``: the tokens of the slots from
     ``start``, once written, so that later requests may reuse them."""
-
     def reuse(self, tokens: list[int]) -> int: ...
     def remember(self, tokens: list[int], start: int = 0) -> None: ...
 
@@ -84,7 +80,6 @@ class PrefixReuse(Protocol):
 class StaticWrites(Protocol):
     """``write_at(layer, pos, k, v)``, the slots a device tensor ``[n]``: a CUDA graph replays the
     write at a new position (the caller checks the range on the host)."""
-
     def write_at(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
 
@@ -113,35 +108,31 @@ def bytes_per_token(cache: Cache) -> int:
 
 
 def check_ids(model, ids, who: str = "") -> None:
-    """Refuse what is not one request's token ids: ``[1, n]``, ``n >= 1``, ``torch.long`` or
-    ``int``, on the model's device, each in ``0..V-1``. Reading the values waits for the device,
-    so a prompt is checked once, where it enters; never the ids a step feeds back (the model's)."""
+    """Refuse what is not one request's ids ``[1, n]``: torch.long or int, on the model's device,
+    in its vocabulary. Reading values waits for the device, so a prompt is checked where it
+    enters, never the ids a step feeds back (the model's)."""
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 or not ids.numel():
-        what = list(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
-        raise ValueError(f"{who}ids must be [1, n] with n >= 1 (one request), got {what}")
+        raise ValueError(f"{who}ids must be [1, n] with n >= 1, got {getattr(ids, 'shape', ids)}")
     if ids.dtype not in (torch.long, torch.int) or ids.device != model.device:
         raise ValueError(f"{who}ids are {ids.dtype} on {ids.device}: token ids are torch.long or "
                          f"torch.int, on the model's {model.device}")
     V = model.get_input_embeddings().num_embeddings
-    if ids.device.type != "meta":  # shapes only there: no values to read
-        lo, hi = torch.stack(ids.aminmax()).tolist()
-        if lo < 0 or hi >= V:
-            i = int(((ids[0] < 0) | (ids[0] >= V)).nonzero()[0])
-            raise ValueError(f"{who}token id {int(ids[0, i])} at index {i} of {ids.shape[1]}: "
-                             f"the vocabulary has {V} ids, 0..{V - 1}")
+    bad = [] if ids.device.type == "meta" else ((ids[0] < 0) | (ids[0] >= V)).nonzero().tolist()
+    if bad:  # one sync: nonzero's count (meta has no values to read)
+        raise ValueError(f"{who}token id {int(ids[0, bad[0][0]])} at index {bad[0][0]} of "
+                         f"{ids.shape[1]}: the vocabulary has {V} ids, 0..{V - 1}")
 
 
 def check_fits(model, cache, names: str, have: tuple, want: tuple, who: str = "") -> None:
-    """Refuse a cache the model cannot run over, before a write: its ``names`` (``have``, the
-    model's ``want``), its dtype and device must be the model's."""
+    """Refuse a cache whose ``names`` (``have``), dtype or device are not the model's (``want``)."""
     if have != want or (cache.dtype, cache.device) != (model.dtype, model.device):
         raise ValueError(f"{who}the cache has {names} {have}, {cache.dtype} on {cache.device}; "
                          f"the model needs {want}, {model.dtype} on {model.device}")
 
 
 def check_start(cache, start: int, n: int, who: str = "") -> None:
-    """Refuse ``n`` tokens at slot ``start`` before a write (a ring or a ``cat`` refuses a start it
-    cannot continue from itself, at the first layer's write, before writing)."""
+    """Refuse ``n`` tokens at slot ``start`` (a ring or a cat refuses one it cannot continue from
+    at the first layer's write, before writing)."""
     if not isinstance(start, int) or start < 0:
         raise ValueError(f"{who}start {start!r}: a forward writes at a slot, an int >= 0")
     if cache.max_seq is not None and start + n > cache.max_seq:
@@ -188,7 +179,7 @@ def check_crop(cache, seq_len: int) -> None:
 
 
 def crop_slots(cache, seq_len: int) -> None:
-    """A preallocated cache's crop: keep the first ``seq_len`` slots, exactly, since each slot's
-    bytes are its own token's; the rest are never read again, so no byte moves."""
+    """A preallocated cache's crop: its first ``seq_len`` slots are kept as they are (each slot's
+    bytes are its own token's); the rest are never read again, so no byte moves."""
     check_crop(cache, seq_len)
     cache.seq_len = seq_len

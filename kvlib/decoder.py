@@ -222,18 +222,18 @@ def check_cache(model, cache, who: str = "") -> None:
     if isinstance(cache, LatentCache):
         return check_latent(model, cache, who)
     c = model.config
-    check_fits(model, cache, "layers, kv_heads, head_dim",
-               (cache.n_layers, cache.n_kv_heads, cache.head_dim),
-               (c.num_hidden_layers, kv_heads(c), head_dim(c)), who)
+    check_fits(model, cache, "layers, kv_heads, head_dim", (cache.n_layers, cache.n_kv_heads,
+               cache.head_dim), (c.num_hidden_layers, kv_heads(c), head_dim(c)), who)
 
 
 @torch.no_grad()  # inference only: a cache must never hold autograd history
 def forward(model, ids, cache, start) -> torch.Tensor:
     """Run ``ids`` ``[1, n]`` at slots ``start..start+n``, then ``cache.seq_len = start + n``;
     return the last logits ``[1, V]``. A batch passes lists (ids, caches, starts): ``[B, V]``. All
-    of it is checked first (ids, caches, starts), so a refused forward changes nothing."""
+    is checked first (ids, caches, starts), so a refused forward changes nothing."""
     batch = isinstance(cache, (list, tuple))
-    ids, caches, starts = (ids, cache, start) if batch else ([ids], [cache], [start])
+    ids, caches, starts = (list(ids), list(cache), list(start)) if batch else ([ids], [cache],
+                                                                               [start])
     if not len(ids) == len(caches) == len(starts) > 0:
         raise ValueError(f"a batch needs one prompt, cache and start per request: got {len(ids)} "
                          f"prompts, {len(caches)} caches, {len(starts)} starts")
@@ -241,16 +241,15 @@ def forward(model, ids, cache, start) -> torch.Tensor:
         who = f"request {r}: " if batch else ""
         check_ids(model, x, who)
         check_cache(model, c, who)
-        if isinstance(c, LatentCache) and len(caches) > 1:
-            raise ValueError(f"{who}a LatentCache runs one request a forward")
         check_start(c, s, x.shape[1], who)
-    return _forward(model, list(ids), list(caches), list(starts), pack=batch)
+    if len(caches) > 1 and any(isinstance(c, LatentCache) for c in caches):
+        raise ValueError("a LatentCache runs one request a forward")
+    return _forward(model, ids, caches, starts, pack=batch)
 
 
 def _forward(model, ids: list, caches: list, starts: list, pack: bool = True) -> torch.Tensor:
-    """:func:`forward` unchecked, for the loop: its ids were checked at its door or made by the
-    model, and a check of their values would wait on the device at every step. ``pack=False``:
-    one request's ids run as they are, uncopied (a list is packed, even a list of one)."""
+    """:func:`forward` unchecked, for the loop (its ids were checked at its door, or the model made
+    them: reading them would wait on the device every step). ``pack``: copy even a list of one."""
     if isinstance(caches[0], LatentCache):  # no K or V per head: MLA's own forward
         return run_latent(model, ids[0], caches[0], starts[0])
     bounds = [0, *accumulate(int(x.shape[-1]) for x in ids)]  # request i: bounds[i]..bounds[i+1]

@@ -111,8 +111,8 @@ def _attention(attn, h, layer: int, freqs, cache: LatentCache, start: int, visib
 @torch.no_grad()
 def forward_latent(model, ids, cache: LatentCache, start: int, *, absorb=None) -> torch.Tensor:
     """Run ``ids [1, n]`` at slots ``start..start+n`` of a DeepSeek-V2 ``model``, then
-    ``cache.seq_len = start + n``; the last position's logits ``[1, V]``. Checked first, so a
-    refused call changes nothing; ``absorb`` (default: the cache's) picks the attention."""
+    ``cache.seq_len = start + n``; the last logits ``[1, V]``. All checked first; ``absorb``
+    (default: the cache's) picks the attention."""
     check_latent(model, cache)
     check_ids(model, ids)
     check_start(cache, start, ids.shape[1])
@@ -124,9 +124,8 @@ def check_latent(model, cache: LatentCache, who: str = "") -> None:
     c = model.config
     if c.model_type != "deepseek_v2":
         raise NotImplementedError(f"{c.model_type!r}: the latent forward runs DeepSeek-V2")
-    check_fits(model, cache, "layers, kv_lora_rank, qk_rope_head_dim",
-               (cache.n_layers, cache.rank, cache.rope_dim),
-               (c.num_hidden_layers, c.kv_lora_rank, c.qk_rope_head_dim), who)
+    check_fits(model, cache, "layers, kv_lora_rank, qk_rope_head_dim", (cache.n_layers, cache.rank,
+               cache.rope_dim), (c.num_hidden_layers, c.kv_lora_rank, c.qk_rope_head_dim), who)
 
 
 def run_latent(model, ids, cache: LatentCache, start: int, absorb=None) -> torch.Tensor:

@@ -1,8 +1,6 @@
-"""The token loop over a list of requests, in four phases, each read on its own: check (refuse what
-cannot run, before anything changes), prefill (in chunks), decode (one token a step, host syncs
-kept off the hot path: EOS is looked for every ``EOS_CHECK_EVERY`` steps) and finish (drop what
-ran past an EOS, remember the prefix). One request is a list of one, unwrapped at the public edge.
-"""
+"""The token loop over a list of requests, in phases read one at a time: check (refuse, before any
+cache changes), prefill (in chunks), decode (no host sync but a look for EOS every
+``EOS_CHECK_EVERY`` steps), finish. One request is a list of one, unwrapped at the public edge."""
 
 import functools
 from dataclasses import dataclass
@@ -70,8 +68,7 @@ class Generation:
 
 @dataclass
 class _Request:
-    """One request: ``ids`` ``[1, n]``, its prompt past the ``cached`` tokens a prefix cache held,
-    computed into ``cache`` from slot ``start``."""
+    """``ids`` ``[1, n]``: the prompt past the ``cached`` tokens, computed from slot ``start``."""
 
     ids: torch.Tensor
     cache: Cache
@@ -109,14 +106,14 @@ def _decode_step(model, cache: Cache, step, bucket: int):
     raise ValueError(f"step must be 'eager', 'static' or 'graph', not {step!r}")
 
 
-def _check_prompt(model, ids, max_new_tokens, who: str) -> torch.Tensor:
+def _check_prompt(model, ids, m, who: str) -> torch.Tensor:
     """A request's prompt as ``[1, n]`` on the model's device, refused unless it is token ids."""
     if not isinstance(ids, torch.Tensor) or ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
         raise ValueError(f"{who}one prompt per request: input_ids is {getattr(ids, 'shape', ids)}"
                          f", expected [1, n] or [n]; pass a list of prompts for a batch")
-    if not ids.numel() or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"{who}need a prompt and max_new_tokens >= 1, "
-                         f"got {ids.numel()} prompt tokens, {max_new_tokens}")
+    if not ids.numel() or not isinstance(m, int) or m < 1:
+        raise ValueError(f"{who}need a prompt and max_new_tokens >= 1, got {ids.numel()} prompt "
+                         f"tokens, {m}")
     check_ids(model, ids := ids.reshape(1, -1).to(model.device), who)
     return ids
 
@@ -222,10 +219,8 @@ def _decode(decode, pick, logits, reqs: list[_Request], eos, every: int, timer, 
     return out
 
 
-def _finish(r: _Request, made: list[int], stops: set, logits=None, times=None,
-            **counts) -> Generation:
-    """The tokens up to the first EOS, the slots of the steps past it given back; a prefix cache
-    keeps the request's full blocks."""
+def _finish(r: _Request, made: list[int], stops: set, logits=None, times=None, **counts):
+    """The tokens up to the first EOS, the slots past it given back; a prefix cache remembers."""
     tokens = [t for t in made if t >= 0]
     if (first := next((i for i, t in enumerate(tokens) if t in stops), None)) is not None:
         tokens = tokens[: first + 1]
@@ -245,21 +240,19 @@ def generate(model, input_ids, max_new_tokens, *, cache="prealloc",
              prefill_chunk: int | None = None, step="eager", bucket: int = 256, timed: bool = False,
              return_logits: bool = False, on_step=None, extrapolate: bool = False,
              prompt_lookup_num_tokens: int | None = None):
-    """Generate up to ``max_new_tokens`` after ``input_ids`` ``[1, n]`` (or ``[n]``).
+    """Generate up to ``max_new_tokens`` after ``input_ids`` ``[1, n]`` (or ``[n]``); a list of
+    prompts is a ragged batch, each request with its own length, EOS, ``max_new_tokens``, cache.
+    All is checked first: a refused call changes no cache.
 
     ``cache``: ``"prealloc"`` (``max_seq`` slots, default prompt + new tokens; latents for MLA),
     ``"cat"``, or a cache object, continued from its ``seq_len``. ``prefill_chunk`` bounds the
-    prefill's workspace. A request past ``max_position_embeddings`` is refused unless
-    ``extrapolate``. A list of prompts is a ragged batch: each request keeps its own length, EOS,
-    ``max_new_tokens`` and cache. All is checked first: a refused call changes no cache.
-
+    prefill's workspace. Positions past ``max_position_embeddings`` need ``extrapolate``.
     ``step``: ``"eager"`` slices attention to the length; ``"static"`` reads fixed spans of
     ``bucket`` slots with a mask; ``"graph"`` replays those as CUDA graphs; a :class:`StaticStep`
     keeps its graphs from one request to the next. These run one request; the eager step's
     unmasked attention may differ from them in the last bits (in bf16 that can flip a token).
-
     ``prompt_lookup_num_tokens=k``: greedy, one eager request, up to ``k`` tokens guessed from the
-    text and verified per forward (:mod:`kvlib.speculative`); the cache must offer ``crop``.
+    text and verified per forward (:mod:`kvlib.speculative`) over a cache that offers ``crop``.
     """
     batch = isinstance(input_ids, (list, tuple))  # the public edge: one request is a list of one
     reqs = _check(model, list(input_ids) if batch else [input_ids], max_new_tokens, cache,

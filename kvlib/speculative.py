@@ -38,17 +38,15 @@ def _room(cache, pos: int, k: int) -> int:
 
 
 def check_lookup(k: int, reqs: list, temperature: float, step, extras) -> None:
-    """Refuse what prompt lookup cannot run, before anything changes: it runs one greedy eager
-    request, untimed and unobserved, of ``k >= 1`` guesses, over a cache that can crop (the
-    latent forward gives no logits but the last, which the guesses need)."""
+    """Refuse what prompt lookup cannot run, before anything changes: one greedy eager request,
+    untimed, unobserved, over a cache that crops (not latents: their forward scores one row)."""
     if len(reqs) > 1 or temperature or step != "eager" or extras:
         raise ValueError(f"prompt lookup runs one greedy eager request, untimed: got {len(reqs)} "
                          f"requests, temperature={temperature}, step={step!r}")
-    cache = reqs[0].cache
-    if not isinstance(k, int) or k < 1 or not offers(cache, Rollback) or isinstance(
-            cache, LatentCache):
+    if not isinstance(k, int) or k < 1 or not offers(c := reqs[0].cache, Rollback) or isinstance(
+            c, LatentCache):
         raise ValueError(f"prompt lookup needs k >= 1 (got {k}) and a cache that can crop and "
-                         f"score every row (got {type(cache).__name__})")
+                         f"score every row (got {type(c).__name__})")
 
 
 @torch.no_grad()
