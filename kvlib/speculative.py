@@ -43,8 +43,8 @@ def check_lookup(k: int, reqs: list, temperature: float, step, extras) -> None:
     if len(reqs) > 1 or temperature or step != "eager" or extras:
         raise ValueError(f"prompt lookup runs one greedy eager request, untimed: got {len(reqs)} "
                          f"requests, temperature={temperature}, step={step!r}")
-    if not isinstance(k, int) or k < 1 or not offers(c := reqs[0].cache, Rollback) or isinstance(
-            c, LatentCache):
+    c = reqs[0].cache
+    if not isinstance(k, int) or k < 1 or not offers(c, Rollback) or isinstance(c, LatentCache):
         raise ValueError(f"prompt lookup needs k >= 1 (got {k}) and a cache that can crop and "
                          f"score every row (got {type(c).__name__})")
 

@@ -231,6 +231,16 @@ def test_many_more_bad_calls_are_refused_and_change_nothing(example):
 # --- the issue's cases, and what hypothesis shrank to -----------------------------------------
 
 
+SHRUNK = [  # each once a failure: (kind, point, n, chunk, at, value, bad call, seed)
+    ("cat", "empty", 2, None, 0, 0, "prompt lookup of no guesses", 0),  # k < 1 crashed the check
+]
+
+
+@pytest.mark.parametrize("example", SHRUNK)
+def test_the_examples_hypothesis_shrank_to(example):
+    check_example(*example)
+
+
 @pytest.mark.parametrize("kind", ["slab-head", "int8", "paged"])
 def test_a_bad_id_in_a_later_chunk_is_refused_before_the_first_chunk_runs(kind):
     """Before: torch's ``index out of range in self`` at the second chunk, ``seq_len`` 9 -> 13."""
