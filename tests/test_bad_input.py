@@ -73,8 +73,8 @@ def state(x):
     """Everything ``x`` holds, to compare byte for byte: a tensor's bytes, and recursively the
     numbers, lists and dicts of a cache, its pool included (a meter's own counts left out)."""
     if isinstance(x, torch.Tensor):
-        return ("tensor", x.dtype, tuple(x.shape), x.detach().contiguous().view(-1).view(torch.uint8)
-                .clone() if x.numel() else None)
+        raw = x.detach().contiguous().view(-1).view(torch.uint8).clone() if x.numel() else None
+        return ("tensor", x.dtype, tuple(x.shape), raw)
     if isinstance(x, MeteredCache):
         return state(x.cache)
     if isinstance(x, OrderedDict):
