@@ -20,8 +20,8 @@ import torch
 from .config import kv_token_bytes
 
 __all__ = ["CAPABILITIES", "Cache", "Positions", "PrefixReuse", "Rollback", "StaticWrites",
-           "Window", "at_places", "bytes_per_token", "check_crop", "check_fits", "check_ids",
-           "check_kv", "check_start", "check_view", "crop_slots", "offers"]
+           "Window", "at_places", "bytes_per_token", "check_crop", "check_ids", "check_kv",
+           "check_start", "check_view", "crop_slots", "offers"]
 
 
 @runtime_checkable
@@ -121,13 +121,6 @@ def check_ids(model, ids, who: str = "") -> None:
     if bad:  # one sync: nonzero's count (meta has no values to read)
         raise ValueError(f"{who}token id {int(ids[0, bad[0][0]])} at index {bad[0][0]} of "
                          f"{ids.shape[1]}: the vocabulary has {V} ids, 0..{V - 1}")
-
-
-def check_fits(model, cache, names: str, have: tuple, want: tuple, who: str = "") -> None:
-    """Refuse a cache whose ``names`` (``have``), dtype or device are not the model's (``want``)."""
-    if have != want or (cache.dtype, cache.device) != (model.dtype, model.device):
-        raise ValueError(f"{who}the cache has {names} {have}, {cache.dtype} on {cache.device}; "
-                         f"the model needs {want}, {model.dtype} on {model.device}")
 
 
 def check_start(cache, start: int, n: int, who: str = "") -> None:

@@ -22,8 +22,8 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .config import head_dim, kv_heads
-from .contract import Cache, Positions, at_places, check_fits, check_ids, check_start, offers
-from .latent_cache import LatentCache, check_latent, run_latent
+from .contract import Cache, Positions, at_places, check_ids, check_start, offers
+from .latent_cache import LatentCache, forward_latent
 
 __all__ = ["check_cache", "check_supported", "forward"]
 
@@ -219,11 +219,18 @@ def _eager_pass(model, cache: Cache, start: int, rows: slice) -> _Pass:
 
 def check_cache(model, cache, who: str = "") -> None:
     """Refuse a cache this model cannot run over (its shape, dtype, device), before any write."""
-    if isinstance(cache, LatentCache):
-        return check_latent(model, cache, who)
-    c = model.config
-    check_fits(model, cache, "layers, kv_heads, head_dim", (cache.n_layers, cache.n_kv_heads,
-               cache.head_dim), (c.num_hidden_layers, kv_heads(c), head_dim(c)), who)
+    c, latent = model.config, isinstance(cache, LatentCache)
+    if latent != (c.model_type == "deepseek_v2"):  # MLA caches latents, nothing else does
+        raise ValueError(f"{who}{type(cache).__name__} for {c.model_type!r}: a LatentCache is "
+                         f"DeepSeek-V2's (latent attention), and DeepSeek-V2 needs one")
+    names = "layers, " + ("kv_lora_rank, qk_rope_head_dim" if latent else "kv_heads, head_dim")
+    have = (cache.n_layers, *((cache.rank, cache.rope_dim) if latent else (cache.n_kv_heads,
+                                                                           cache.head_dim)))
+    want = (c.num_hidden_layers, *((c.kv_lora_rank, c.qk_rope_head_dim) if latent else (
+        kv_heads(c), head_dim(c))))
+    if (have, cache.dtype, cache.device) != (want, model.dtype, model.device):
+        raise ValueError(f"{who}the cache has {names} {have}, {cache.dtype} on {cache.device}; "
+                         f"the model needs {want}, {model.dtype} on {model.device}")
 
 
 @torch.no_grad()  # inference only: a cache must never hold autograd history
@@ -251,7 +258,7 @@ def _forward(model, ids: list, caches: list, starts: list, pack: bool = True) ->
     """:func:`forward` unchecked, for the loop (its ids were checked at its door, or the model made
     them: reading them would wait on the device every step). ``pack``: copy even a list of one."""
     if isinstance(caches[0], LatentCache):  # no K or V per head: MLA's own forward
-        return run_latent(model, ids[0], caches[0], starts[0])
+        return forward_latent(model, ids[0], caches[0], starts[0])
     bounds = [0, *accumulate(int(x.shape[-1]) for x in ids)]  # request i: bounds[i]..bounds[i+1]
     passes = [_eager_pass(model, c, s, slice(a, b))
               for c, s, a, b in zip(caches, starts, bounds, bounds[1:])]

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb
 
 from .config import size
-from .contract import check_fits, check_ids, check_start, check_view, crop_slots
+from .contract import check_view, crop_slots
 from .env import default_device
 
 __all__ = ["LatentCache", "forward_latent"]
@@ -111,25 +111,8 @@ def _attention(attn, h, layer: int, freqs, cache: LatentCache, start: int, visib
 @torch.no_grad()
 def forward_latent(model, ids, cache: LatentCache, start: int, *, absorb=None) -> torch.Tensor:
     """Run ``ids [1, n]`` at slots ``start..start+n`` of a DeepSeek-V2 ``model``, then
-    ``cache.seq_len = start + n``; the last logits ``[1, V]``. All checked first; ``absorb``
-    (default: the cache's) picks the attention."""
-    check_latent(model, cache)
-    check_ids(model, ids)
-    check_start(cache, start, ids.shape[1])
-    return run_latent(model, ids, cache, start, absorb)
-
-
-def check_latent(model, cache: LatentCache, who: str = "") -> None:
-    """Refuse a model that is not DeepSeek-V2, or a cache not of its shape, dtype and device."""
-    c = model.config
-    if c.model_type != "deepseek_v2":
-        raise NotImplementedError(f"{c.model_type!r}: the latent forward runs DeepSeek-V2")
-    check_fits(model, cache, "layers, kv_lora_rank, qk_rope_head_dim", (cache.n_layers, cache.rank,
-               cache.rope_dim), (c.num_hidden_layers, c.kv_lora_rank, c.qk_rope_head_dim), who)
-
-
-def run_latent(model, ids, cache: LatentCache, start: int, absorb=None) -> torch.Tensor:
-    """:func:`forward_latent` unchecked: the token loop's, whose ids were checked at its door."""
+    ``cache.seq_len = start + n``; the last logits ``[1, V]``. ``absorb`` (default: the cache's)
+    picks the attention. Unchecked: :func:`kvlib.forward` checks, then runs this."""
     absorb = cache.absorb if absorb is None else absorb
     body, n, end = model.model, ids.shape[1], start + ids.shape[1]
     x = body.embed_tokens(ids)  # [1, n, d]

@@ -34,14 +34,12 @@ from kvlib import (
     generate,
     load_model,
 )
-from kvlib.latent_cache import forward_latent
 from kvlib.paged_cache import BlockPool, PagedCache
 
 V = SHARED["vocab_size"]  # the tiny models' vocabulary, 0..511
 F32 = dict(device="cpu", dtype=torch.float32)
 KINDS = ["slab-head", "slab-seq", "cat", "paged", "paged-prefix", "int8", "int4", "ring",
          "ring-places", "latent", "metered"]
-TRIED = {"examples": 0}  # how many bad calls the property test made: its note reports them
 
 
 @functools.cache
@@ -208,7 +206,6 @@ def check_example(kind, point, n, chunk, at, value, name, seed):
     model, cache, watched = run_to(kind, point, first)
     ids = torch.cat([first[:, : min(n, 8)], tokens(n, seed + 10)], 1)[:, :n]  # starts alike
     refused(bad_calls(model, cache, ids, chunk, at, value)[name], watched)
-    TRIED["examples"] += 1
 
 
 SETTINGS = dict(deadline=None, database=None, derandomize=True,
@@ -289,11 +286,13 @@ def test_a_cache_of_another_shape_dtype_or_device_is_refused_before_a_layer_is_w
                       r"cpu; the model needs \(3, 2, 16\), torch.float32 on cpu")
 
 
-def test_a_latent_forward_checks_its_ids_and_start():
+def test_a_forward_over_a_latent_cache_checks_its_ids_start_and_model():
     model = model_of("latent")
     cache = make("latent", model)
     ids = tokens(3, 0) + V
-    refused(lambda: forward_latent(model, ids, cache, 0), [cache],
+    refused(lambda: forward(model, ids, cache, 0), [cache],
             match=f"token id {int(ids[0, 0])} at index 0 of 3")
-    refused(lambda: forward_latent(model, tokens(3, 0), cache, 39), [cache],
+    refused(lambda: forward(model, tokens(3, 0), cache, 39), [cache],
             match=r"KV overflow: writing slots 39\.\.42 into max_seq=40")
+    refused(lambda: forward(model_of("slab-head"), tokens(3, 0), cache, 0), [cache],
+            match="LatentCache for 'llama': a LatentCache is DeepSeek-V2's")

@@ -77,12 +77,12 @@ def test_what_the_latent_forward_cannot_run_is_refused_before_anything_changes(t
     with pytest.raises(TypeError, match="static shapes need a preallocated cache, not LatentCache"):
         generate(model, ids, 4, cache=caches[0], step="static")
     kv = KVCache(4, 64, 2, 16, device="cpu", dtype=F32)
-    with pytest.raises(ValueError, match=r"the cache has layers, kv_heads, head_dim \(4, 2, 16\)"):
+    with pytest.raises(ValueError, match="KVCache for 'deepseek_v2': a LatentCache is DeepSeek"):
         forward(model, ids, kv, 0)
     small = LatentCache(4, 64, 32, 16, device="cpu", dtype=F32)
     with pytest.raises(ValueError, match=r"kv_lora_rank, qk_rope_head_dim \(4, 32, 16\), "
                        r"torch.float32 on cpu; the model needs \(4, 64, 16\)"):
-        forward_latent(model, ids, small, 0)
+        forward(model, ids, small, 0)
     assert all(c.seq_len == 0 and not c.kv.any() for c in caches + [small])
 
 
