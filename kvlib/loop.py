@@ -109,8 +109,9 @@ def _decode_step(model, cache: Cache, step, bucket: int):
 def _check_prompt(model, ids, m, who: str) -> torch.Tensor:
     """A request's prompt as ``[1, n]`` on the model's device, refused unless it is token ids."""
     if not isinstance(ids, torch.Tensor) or ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
-        raise ValueError(f"{who}one prompt per request: input_ids is {getattr(ids, 'shape', ids)}"
-                         f", expected [1, n] or [n]; pass a list of prompts for a batch")
+        raise ValueError(f"{who}one prompt per request: input_ids is "
+                         f"{list(ids.shape) if isinstance(ids, torch.Tensor) else type(ids)}, "
+                         f"expected [1, n] or [n]; pass a list of prompts for a batch")
     if not ids.numel() or not isinstance(m, int) or m < 1:
         raise ValueError(f"{who}need a prompt and max_new_tokens >= 1, got {ids.numel()} prompt "
                          f"tokens, {m}")
