@@ -1,5 +1,5 @@
 """kvlib: the KV caches of the course, the token loop that runs any of them (the contract:
-:class:`~kvlib.cache.Cache`), the models, and the instruments that measure them.
+:mod:`kvlib.contract`), the models, and the instruments that measure them.
 
 Shapes are written in one axis legend, here and in every shape comment:
 
@@ -9,8 +9,8 @@ Shapes are written in one axis legend, here and in every shape comment:
        the context attended to    D    head_dim
     V  vocabulary                 d    hidden size"""
 
-from .cache import Cache
 from .cat_cache import CatCache
+from .contract import Cache
 from .decoder import forward
 from .env import auto_dtype, default_device, label
 from .kv_cache import KVCache

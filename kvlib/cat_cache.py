@@ -3,8 +3,8 @@ tensors, and each new token makes new ones of ``S + 1`` slots, copying the old c
 
 import torch
 
-from .cache import bytes_per_token, check_crop, check_kv, check_view
 from .config import MIB, head_dim, kv_heads
+from .contract import bytes_per_token, check_crop, check_kv, check_view
 from .env import default_device
 
 __all__ = ["CatCache"]

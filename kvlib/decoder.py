@@ -21,9 +21,11 @@ from torch.nn.attention import SDPBackend
 from torch.nn.attention.bias import causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .cache import Cache
+from .config import head_dim, kv_heads
+from .contract import Cache, Positions, at_places, check_ids, check_start, offers
+from .latent_cache import LatentCache, forward_latent
 
-__all__ = ["check_supported", "forward"]
+__all__ = ["check_cache", "check_supported", "forward"]
 
 # What the loop computes: a pre-norm decoder of these parts (must have, may have) and nothing else.
 # Anything more (extra norms, attention sinks) changes the numbers, so it is refused by name.
@@ -117,7 +119,7 @@ class _Pass:
 
     rows: slice  # its n new tokens among the forward's N
     cache: Cache
-    write: Callable[[Cache, int, torch.Tensor, torch.Tensor], None]  # (cache, layer, k, v)
+    start: int  # slots written: start..end
     end: int  # slots read: 0..end
     mask: torch.Tensor | None  # [group * n, end] additive, folded rows; or the causal rule; or None
     causal: bool  # unfolded, enable_gqa, ``mask`` is ``causal_lower_right`` (no mask on CUDA)
@@ -139,7 +141,7 @@ def rope_of(attention_class: type) -> Callable:
 def _attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, p: _Pass):
     """One request's attention: its queries ``[1, n, Hq, D]`` over its own cache's slots only."""
     n, D = q.shape[1], attn.head_dim
-    p.write(p.cache, layer, k, v)
+    p.cache.write(layer, p.start, k, v)
     keys, values = p.cache.view(layer, p.end)  # [1, Hkv, S, D]
     if p.rope:  # keys at their places in the cache; the model's RoPE rotates a pair (q: no heads)
         keys = rope_of(type(attn))(keys[:, :0], keys, *p.rope, unsqueeze_dim=1)[1]
@@ -170,7 +172,7 @@ def _attention(attn, h: torch.Tensor, layer: int, cos, sin, passes: list[_Pass])
 
 
 def _run(model, ids: torch.Tensor, positions: torch.Tensor, passes: list[_Pass]) -> torch.Tensor:
-    """The layer loop both entry points share; each request's last logits ``[B, V]``."""
+    """The layer loop of a forward over ``passes``; each request's last logits ``[B, V]``."""
     body = model.model
     x = body.embed_tokens(ids)  # [1, N, d]
     cos, sin = body.rotary_emb(x, positions)  # [1, N, D]: the model's own RoPE, scaling included
@@ -198,7 +200,7 @@ def _eager_pass(model, cache: Cache, start: int, rows: slice) -> _Pass:
     n, device = rows.stop - rows.start, cache.device
     end = start + n
     # A cache that holds some positions only (a ring) says which of its keys each query sees.
-    band = getattr(cache, "visible", None)
+    band = cache.visible if offers(cache, Positions) else None
     causal = n > 1 and band is None and _causal_fused(model, device)
     # The kernel's own rule, a tensor subclass, which no dispatch mode (a simulated card's ledger)
     # lets be made. A decode step (one query sees every slot it reads) needs no mask.
@@ -208,29 +210,62 @@ def _eager_pass(model, cache: Cache, start: int, rows: slice) -> _Pass:
         mask = _mask(model, band(start, n) if band else torch.ones(n, end, dtype=torch.bool,
                                                                    device=device).tril(start))
     at, rope = start, None
-    if getattr(cache, "positions", "absolute") == "cache":  # StreamingLLM's: places in the cache
+    if at_places(cache):  # StreamingLLM's: RoPE at the keys' places in the cache
         places, probe = cache.places(start, n), torch.empty(0, dtype=model.dtype, device=device)
         at, rope = len(places) - n, model.model.rotary_emb(probe, places[None])
-    return _Pass(rows=rows, cache=cache, end=end, causal=causal, mask=mask, at=at, rope=rope,
-                 write=lambda c, layer, k, v: c.write(layer, start, k, v))
+    return _Pass(rows=rows, cache=cache, start=start, end=end, causal=causal, mask=mask, at=at,
+                 rope=rope)
+
+
+def check_cache(model, cache, who: str = "") -> None:
+    """Refuse a cache this model cannot run over (its shape, dtype, device), before any write."""
+    c, latent = model.config, isinstance(cache, LatentCache)
+    if latent != (c.model_type == "deepseek_v2"):  # MLA caches latents, nothing else does
+        raise ValueError(f"{who}{type(cache).__name__} for {c.model_type!r}: a LatentCache is "
+                         f"DeepSeek-V2's (latent attention), and DeepSeek-V2 needs one")
+    names = "layers, " + ("kv_lora_rank, qk_rope_head_dim" if latent else "kv_heads, head_dim")
+    have = (cache.n_layers, *((cache.rank, cache.rope_dim) if latent else (cache.n_kv_heads,
+                                                                           cache.head_dim)))
+    want = (c.num_hidden_layers, *((c.kv_lora_rank, c.qk_rope_head_dim) if latent else (
+        kv_heads(c), head_dim(c))))
+    if (have, cache.dtype, cache.device) != (want, model.dtype, model.device):
+        raise ValueError(f"{who}the cache has {names} {have}, {cache.dtype} on {cache.device}; "
+                         f"the model needs {want}, {model.dtype} on {model.device}")
 
 
 @torch.no_grad()  # inference only: a cache must never hold autograd history
 def forward(model, ids, cache, start) -> torch.Tensor:
     """Run ``ids`` ``[1, n]`` at slots ``start..start+n``, then ``cache.seq_len = start + n``;
-    return the last logits ``[1, V]``. A batch passes lists (ids, caches, starts): ``[B, V]``."""
+    return the last logits ``[1, V]``. A batch passes lists (ids, caches, starts): ``[B, V]``. All
+    is checked first (ids, caches, starts), so a refused forward changes nothing."""
     batch = isinstance(cache, (list, tuple))
-    ids, caches, starts = (ids, cache, start) if batch else ([ids], [cache], [start])
+    ids, caches, starts = (list(ids), list(cache), list(start)) if batch else ([ids], [cache],
+                                                                               [start])
     if not len(ids) == len(caches) == len(starts) > 0:
         raise ValueError(f"a batch needs one prompt, cache and start per request: got {len(ids)} "
                          f"prompts, {len(caches)} caches, {len(starts)} starts")
+    for r, (x, c, s) in enumerate(zip(ids, caches, starts)):
+        who = f"request {r}: " if batch else ""
+        check_ids(model, x, who)
+        check_cache(model, c, who)
+        check_start(c, s, x.shape[1], who)
+    if len(caches) > 1 and any(isinstance(c, LatentCache) for c in caches):
+        raise ValueError("a LatentCache runs one request a forward")
+    return _forward(model, ids, caches, starts, pack=batch)
+
+
+def _forward(model, ids: list, caches: list, starts: list, pack: bool = True) -> torch.Tensor:
+    """:func:`forward` unchecked, for the loop (its ids were checked at its door, or the model made
+    them: reading them would wait on the device every step). ``pack``: copy even a list of one."""
+    if isinstance(caches[0], LatentCache):  # no K or V per head: MLA's own forward
+        return forward_latent(model, ids[0], caches[0], starts[0])
     bounds = [0, *accumulate(int(x.shape[-1]) for x in ids)]  # request i: bounds[i]..bounds[i+1]
     passes = [_eager_pass(model, c, s, slice(a, b))
               for c, s, a, b in zip(caches, starts, bounds, bounds[1:])]
     device = ids[0].device
     positions = torch.cat([torch.arange(p.at, p.at + x.shape[-1], device=device)
                            for p, x in zip(passes, ids)])
-    packed = torch.cat([x.reshape(1, -1) for x in ids], 1) if batch else ids[0]
+    packed = torch.cat(ids, 1) if pack else ids[0]
     logits = _run(model, packed, positions.unsqueeze(0), passes)
     for p in passes:
         p.cache.seq_len = p.end

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import attend, splits
+from .contract import StaticWrites, offers
 from .decoder import no_cudnn_attention, parts, rope_of
 from .env import resolve
 from .memory import free
@@ -131,7 +132,7 @@ class StaticStep:
 
     def __init__(self, model, cache, *, bucket: int = 256, capture: bool | None = None,
                  attention="split", compile: bool | str = False) -> None:
-        if not hasattr(cache, "write_at"):
+        if not offers(cache, StaticWrites):
             raise TypeError(f"static shapes need a preallocated cache, not {type(cache).__name__}")
         device = cache.device
         self.capture = device.type == "cuda" if capture is None else capture

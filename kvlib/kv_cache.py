@@ -6,8 +6,8 @@ block SDPA reads is contiguous; ``"seq"`` makes the write contiguous instead.
 
 import torch
 
-from .cache import bytes_per_token, check_crop, check_kv, check_view
 from .config import MIB, head_dim, kv_heads
+from .contract import bytes_per_token, check_kv, check_view, crop_slots
 from .env import default_device
 
 __all__ = ["KVCache", "LAYOUTS"]
@@ -61,10 +61,7 @@ class KVCache:
         """New request, same memory. Nothing is freed and nothing is zeroed."""
         self.seq_len = 0
 
-    def crop(self, seq_len: int) -> None:
-        """Keep the first ``seq_len`` slots: the rest are never read again, so no byte moves."""
-        check_crop(self, seq_len)
-        self.seq_len = seq_len
+    crop = crop_slots
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """``[n, Hkv, D]`` into slots ``start..start+n``: one slice copy each, no allocation. The

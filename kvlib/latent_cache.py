@@ -10,39 +10,41 @@ scores the latent itself) and its value half after attention (``W_UV`` times the
 latent): no per-head K or V ever exists, and all ``H`` heads read one "KV head" of ``R + P``.
 
 Axes: kvlib's legend, and ``R`` kv_lora_rank, ``P`` qk_rope_head_dim, ``N`` qk_nope_head_dim,
-``Vd`` v_head_dim, ``H`` heads. kvlib's token loop moves per-head K/V, which MLA never has: hence
-this forward of its own, on the model's own modules."""
+``Vd`` v_head_dim, ``H`` heads. kvlib's decoder moves per-head K/V, which MLA never has: hence
+this forward of its own, on the model's own modules, which ``generate`` runs over a LatentCache."""
 
 import torch
 import torch.nn.functional as F
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb
 
-from .cache import check_view
 from .config import size
+from .contract import check_view, crop_slots
 from .env import default_device
 
-__all__ = ["LatentCache", "forward_latent", "generate_latent"]
+__all__ = ["LatentCache", "forward_latent"]
 
 
 class LatentCache:
     """One preallocated ``[L, S, R + P]`` tensor: per slot the normed latent, then the rotated
     shared key. One tensor, not two, because the absorbed attention's keys are exactly that row:
-    a view, where two tensors would need a ``cat`` over every slot at every step."""
+    a view, where two tensors would need a ``cat`` over every slot at every step. ``absorb``:
+    how its forward reads it, absorbing the up-projection or expanding the latents."""
 
     def __init__(self, n_layers: int, max_seq: int, rank: int, rope_dim: int, *,
-                 device=None, dtype: torch.dtype = torch.bfloat16) -> None:
+                 device=None, dtype: torch.dtype = torch.bfloat16, absorb: bool = False) -> None:
         if min(n_layers, max_seq, rank, rope_dim) < 1:
             raise ValueError(f"bad shape: L={n_layers} S={max_seq} R={rank} P={rope_dim}")
         self.n_layers, self.max_seq, self.rank, self.rope_dim = n_layers, max_seq, rank, rope_dim
+        self.absorb = absorb
         device = default_device() if device is None else device
         self.kv = torch.zeros(n_layers, max_seq, rank + rope_dim, dtype=dtype, device=device)
         self.reset()
 
     @classmethod
-    def for_model(cls, config, max_seq: int, *, device=None, dtype=None) -> "LatentCache":
+    def for_model(cls, config, max_seq: int, *, device=None, dtype=None, absorb=False):
         """Size a cache from a DeepSeek-V2 config (its ``kv_lora_rank``, ``qk_rope_head_dim``)."""
         return cls(config.num_hidden_layers, max_seq, config.kv_lora_rank, config.qk_rope_head_dim,
-                   device=device, dtype=dtype or torch.bfloat16)
+                   device=device, dtype=dtype or torch.bfloat16, absorb=absorb)
 
     dtype = property(lambda self: self.kv.dtype)
     device = property(lambda self: self.kv.device)
@@ -51,6 +53,8 @@ class LatentCache:
 
     def reset(self) -> None:  # new request, same memory
         self.seq_len = 0
+
+    crop = crop_slots
 
     def write(self, layer: int, start: int, latent: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Write ``latent [n, R]``, ``k_pe [n, P]`` at ``start``, or refuse and change nothing."""
@@ -105,11 +109,11 @@ def _attention(attn, h, layer: int, freqs, cache: LatentCache, start: int, visib
 
 
 @torch.no_grad()
-def forward_latent(model, ids, cache: LatentCache, start: int, *, absorb=False) -> torch.Tensor:
+def forward_latent(model, ids, cache: LatentCache, start: int, *, absorb=None) -> torch.Tensor:
     """Run ``ids [1, n]`` at slots ``start..start+n`` of a DeepSeek-V2 ``model``, then
-    ``cache.seq_len = start + n``; the last position's logits ``[1, V]``."""
-    if model.config.model_type != "deepseek_v2":
-        raise NotImplementedError(f"{model.config.model_type!r}: forward_latent runs DeepSeek-V2")
+    ``cache.seq_len = start + n``; the last logits ``[1, V]``. ``absorb`` (default: the cache's)
+    picks the attention. Unchecked: :func:`kvlib.forward` checks, then runs this."""
+    absorb = cache.absorb if absorb is None else absorb
     body, n, end = model.model, ids.shape[1], start + ids.shape[1]
     x = body.embed_tokens(ids)  # [1, n, d]
     freqs = body.rotary_emb(x, torch.arange(start, end, device=ids.device)[None])  # [1, n, P/2]
@@ -121,17 +125,3 @@ def forward_latent(model, ids, cache: LatentCache, start: int, *, absorb=False) 
         x = x + layer.mlp(layer.post_attention_layernorm(x))  # dense or MoE: the model's own
     cache.seq_len = end
     return model.lm_head(body.norm(x[:, -1]))
-
-
-def generate_latent(model, ids, max_new_tokens: int, *, absorb=False) -> list[int]:
-    """Greedy: prefill ``ids [1, n]`` in one forward, then one token per forward; tokens stay on
-    the device until the end: the loop adds no host sync (MoE routing has its own)."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: a greedy run makes at least one token")
-    cache = LatentCache.for_model(model.config, ids.shape[1] + max_new_tokens, device=ids.device,
-                                  dtype=model.dtype)
-    tokens = [forward_latent(model, ids, cache, 0, absorb=absorb).argmax(-1, keepdim=True)]
-    for _ in range(max_new_tokens - 1):
-        logits = forward_latent(model, tokens[-1], cache, cache.seq_len, absorb=absorb)
-        tokens.append(logits.argmax(-1, keepdim=True))
-    return torch.cat(tokens, 1)[0].tolist()

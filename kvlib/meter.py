@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .budget import meta_model
-from .cache import Cache
+from .contract import Cache
 from .decoder import forward
 from .graphs import StaticStep
 from .kv_cache import KVCache

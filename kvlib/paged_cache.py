@@ -19,8 +19,8 @@ from collections import OrderedDict
 
 import torch
 
-from .cache import bytes_per_token, check_crop, check_kv, check_view
 from .config import head_dim, kv_heads, size
+from .contract import bytes_per_token, check_crop, check_kv, check_view
 from .env import default_device
 
 __all__ = ["BlockPool", "OutOfBlocks", "PagedCache"]

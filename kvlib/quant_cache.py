@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from .budget import Budget, plan_budget
-from .cache import check_crop, check_kv, check_view
 from .config import head_dim, kv_heads, size
+from .contract import check_kv, check_view, crop_slots
 from .env import default_device
 
 __all__ = ["FORMATS", "QuantCache", "WindowBudget", "kv_format_bytes", "plan_kv"]
@@ -77,10 +77,7 @@ class QuantCache:
     def reset(self) -> None:
         self.seq_len = 0  # nothing freed or zeroed: slots past seq_len are never read
 
-    def crop(self, seq_len: int) -> None:
-        """Keep the first ``seq_len`` slots, exactly: each token's scales are its own."""
-        check_crop(self, seq_len)
-        self.seq_len = seq_len
+    crop = crop_slots  # exactly: each token's scales are its own
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize ``[n, Hkv, D]`` into slots ``start..start+n``; a refused write writes none."""

@@ -13,8 +13,8 @@ them all anyway: they are held unrotated and rotated on read, one RoPE per step 
 
 import torch
 
-from .cache import check_crop, check_kv
 from .config import head_dim, kv_heads, size
+from .contract import check_crop, check_kv
 from .env import default_device
 
 __all__ = ["RingCache"]

@@ -10,9 +10,11 @@ The cache then holds the K/V of rejected guesses: ``crop`` rolls it back."""
 
 import torch
 
-from .decoder import forward
+from .contract import Rollback, Window, offers
+from .decoder import _forward
+from .latent_cache import LatentCache
 
-__all__ = ["NGRAM", "lookup", "propose"]
+__all__ = ["NGRAM", "check_lookup", "lookup", "propose"]
 
 NGRAM = 3  # the longest n-gram looked up; shorter ones are tried when it is not found
 
@@ -32,31 +34,37 @@ def propose(history: list[int], k: int, ngram: int = NGRAM) -> list[int]:
 def _room(cache, pos: int, k: int) -> int:
     """Guesses a forward at ``pos`` may write and still be cropped back: all of ``k``, but a ring
     past its window keeps one spare key, so one guess (its rollback needs no overwritten key)."""
-    window = getattr(cache, "window", None)
-    return k if window is None else min(k, max(1, cache.sinks + window - pos - 1))
+    return min(k, max(1, cache.sinks + cache.window - pos - 1)) if offers(cache, Window) else k
+
+
+def check_lookup(k: int, reqs: list, temperature: float, step, extras) -> None:
+    """Refuse what prompt lookup cannot run, before anything changes: one greedy eager request,
+    untimed, unobserved, over a cache that crops (not latents: their forward scores one row)."""
+    if len(reqs) > 1 or temperature or step != "eager" or extras:
+        raise ValueError(f"prompt lookup runs one greedy eager request, untimed: got {len(reqs)} "
+                         f"requests, temperature={temperature}, step={step!r}")
+    c = reqs[0].cache
+    if not isinstance(k, int) or k < 1 or not offers(c, Rollback) or isinstance(c, LatentCache):
+        raise ValueError(f"prompt lookup needs k >= 1 (got {k}) and a cache that can crop and "
+                         f"score every row (got {type(c).__name__})")
 
 
 @torch.no_grad()
-def lookup(model, ids: torch.Tensor, cache, max_new_tokens: int, k: int, eos: list[int],
-           prefill_chunk: int | None = None) -> tuple[list[int], dict]:
-    """Greedy tokens after ``ids`` ``[1, n]``, up to ``k`` guesses verified per forward; and the
-    counts: ``forwards`` after the prefill, guesses ``drafted`` and ``accepted``."""
-    if not hasattr(cache, "crop") or k < 1:
-        raise ValueError(f"prompt lookup needs k >= 1 (got {k}) and a cache that can crop "
-                         f"(got {type(cache).__name__})")
-    start, n, chunk = cache.seq_len, ids.shape[1], prefill_chunk or ids.shape[1]
-    for s in range(0, n, chunk):
-        logits = forward(model, ids[:, s : s + chunk], cache, start + s)
+def lookup(model, request, logits: torch.Tensor, k: int, eos: set[int]) -> tuple[list[int], dict]:
+    """Greedy tokens after a prefilled ``request`` (its ``ids``, ``cache`` and ``max_new``; the
+    prefill's last ``logits``), up to ``k`` guesses verified per forward, stopping at the first EOS
+    made or accepted; and the counts: ``forwards``, guesses ``drafted`` and ``accepted``."""
+    cache, ids, max_new = request.cache, request.ids, request.max_new
     history, tokens = ids[0].tolist(), [int(logits.argmax())]
     stats = dict(forwards=0, drafted=0, accepted=0)
-    while len(tokens) < max_new_tokens and tokens[-1] not in eos:
+    while len(tokens) < max_new and not eos.intersection(tokens):
         pos = cache.seq_len  # the last token's slot: the cache holds everything before it
-        left = max_new_tokens - len(tokens) - 1  # the forward adds one token of its own
+        left = max_new - len(tokens) - 1  # the forward adds one token of its own
         guess = propose(history + tokens, _room(cache, pos, min(k, left)))
         # row i attends at slot pos+i after rows 0..i-1 wrote theirs; its logits pick token pos+i+1
         feed = [tokens[-1], *guess]
-        rows = forward(model, [ids.new_tensor([[t]]) for t in feed], [cache] * len(feed),
-                       [pos + i for i in range(len(feed))])
+        rows = _forward(model, [ids.new_tensor([[t]]) for t in feed], [cache] * len(feed),
+                        [pos + i for i in range(len(feed))])
         best = rows.argmax(-1).tolist()
         agree = next((i for i, (g, b) in enumerate(zip(guess, best)) if g != b), len(guess))
         cache.crop(pos + 1 + agree)  # keep the last token and the guesses kept
@@ -65,5 +73,5 @@ def lookup(model, ids: torch.Tensor, cache, max_new_tokens: int, k: int, eos: li
             stats[key] += add
     if (stop := next((i for i, t in enumerate(tokens) if t in eos), None)) is not None:
         tokens = tokens[: stop + 1]
-        cache.crop(start + n + len(tokens) - 1)
+        cache.crop(request.fed + len(tokens) - 1)
     return tokens, stats

@@ -1,13 +1,14 @@
 """The latent (MLA) cache: greedy parity with transformers in fp32 on a random-weight
-DeepSeek-V2-shaped model, expanded and absorbed attention, its bytes, refusals and storage."""
+DeepSeek-V2-shaped model through ``generate``, expanded and absorbed attention, crop and reset, its
+bytes, refusals and storage."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvlib import AllocMeter, load_model
+from kvlib import AllocMeter, KVCache, forward, generate, load_model
 from kvlib.config import kv_bytes_per_token, load_config
-from kvlib.latent_cache import LatentCache, forward_latent, generate_latent
+from kvlib.latent_cache import LatentCache, forward_latent
 
 PROMPT, NEW = 20, 40
 F32 = torch.float32
@@ -24,14 +25,65 @@ def tiny():
     return model, ids, ref[0, PROMPT:].tolist()
 
 
-def cache_of(model, max_seq):
-    return LatentCache.for_model(model.config, max_seq, device="cpu", dtype=F32)
+def cache_of(model, max_seq, absorb=False):
+    return LatentCache.for_model(model.config, max_seq, device="cpu", dtype=F32, absorb=absorb)
+
+
+def greedy(model, ids, new, absorb):
+    return generate(model, ids, new, cache=cache_of(model, ids.shape[1] + new, absorb),
+                    eos_token_id=None).tokens
 
 
 @pytest.mark.parametrize("absorb", [False, True])
 def test_greedy_parity_with_transformers(tiny, absorb):
     model, ids, ref = tiny
-    assert generate_latent(model, ids, NEW, absorb=absorb) == ref
+    assert greedy(model, ids, NEW, absorb) == ref
+
+
+def test_generate_makes_a_latent_cache_for_mla_and_continues_it_in_chunks(tiny):
+    model, ids, ref = tiny
+    g = generate(model, ids[:, :12], 1, eos_token_id=None)  # "prealloc": latents, not K and V
+    assert isinstance(g.cache, LatentCache) and g.cache.max_seq == 13
+    cache = cache_of(model, PROMPT + NEW)
+    first = generate(model, ids[:, :12], 3, cache=cache, eos_token_id=None, prefill_chunk=5)
+    cache.crop(12)  # drop the new tokens: the cache holds the first 12 of the prompt again
+    more = generate(model, ids[:, 12:], NEW, cache=cache, eos_token_id=None, prefill_chunk=3)
+    assert first.tokens[:1] == g.tokens and more.tokens == ref
+    assert cache.seq_len == PROMPT + NEW - 1
+
+
+def test_crop_and_reset_read_as_if_the_dropped_tokens_were_never_written(tiny):
+    model, ids, ref = tiny
+    cache = cache_of(model, PROMPT + NEW)
+    generate(model, ids, 10, cache=cache, eos_token_id=None)
+    before = cache.kv[:, :PROMPT].clone()
+    cache.crop(PROMPT)
+    assert cache.seq_len == PROMPT and torch.equal(cache.kv[:, :PROMPT], before)
+    with pytest.raises(ValueError, match=f"crop to {PROMPT + 1} slots: the cache holds {PROMPT}"):
+        cache.crop(PROMPT + 1)
+    assert generate(model, torch.tensor([ref[:1]]), NEW - 1, cache=cache,
+                    eos_token_id=None).tokens == ref[1:]
+    cache.reset()
+    assert cache.seq_len == 0 and greedy(model, ids, 5, False) == ref[:5]
+
+
+def test_what_the_latent_forward_cannot_run_is_refused_before_anything_changes(tiny):
+    model, ids, _ = tiny
+    caches = [cache_of(model, 64) for _ in range(2)]
+    with pytest.raises(ValueError, match="a LatentCache runs one request"):
+        generate(model, [ids, ids], 4, cache=caches)
+    with pytest.raises(ValueError, match="cache that can crop and score every row"):
+        generate(model, ids, 4, cache=caches[0], prompt_lookup_num_tokens=3)
+    with pytest.raises(TypeError, match="static shapes need a preallocated cache, not LatentCache"):
+        generate(model, ids, 4, cache=caches[0], step="static")
+    kv = KVCache(4, 64, 2, 16, device="cpu", dtype=F32)
+    with pytest.raises(ValueError, match="KVCache for 'deepseek_v2': a LatentCache is DeepSeek"):
+        forward(model, ids, kv, 0)
+    small = LatentCache(4, 64, 32, 16, device="cpu", dtype=F32)
+    with pytest.raises(ValueError, match=r"kv_lora_rank, qk_rope_head_dim \(4, 32, 16\), "
+                       r"torch.float32 on cpu; the model needs \(4, 64, 16\)"):
+        forward(model, ids, small, 0)
+    assert all(c.seq_len == 0 and not c.kv.any() for c in caches + [small])
 
 
 @pytest.mark.parametrize("absorb", [False, True])
@@ -137,4 +189,4 @@ def test_query_lora_and_yarn_scaling_keep_parity():
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
                          do_sample=False, eos_token_id=None, pad_token_id=None)[0, PROMPT:]
     for absorb in (False, True):
-        assert generate_latent(model, ids, 12, absorb=absorb) == ref.tolist()
+        assert greedy(model, ids, 12, absorb) == ref.tolist()

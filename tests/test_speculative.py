@@ -110,6 +110,18 @@ def test_eos_stops_it_where_it_stops_greedy():
     assert g.cache.seq_len == text().shape[1] + stop
 
 
+def test_an_eos_inside_an_accepted_run_stops_it_at_once(monkeypatch):
+    """Before: only a forward's last token was looked at, so an EOS among the guesses it accepted
+    ran on to ``max_new_tokens`` (6 forwards here, 15-24 seen), the tokens trimmed after."""
+    model, want, n = model_of(), greedy(), text().shape[1]
+    e = next(i for i in range(1, 5) if want[i] not in want[:i])  # guessed, and accepted, at once
+    oracle = lambda history, k, ngram=3: (want + [0] * 9)[len(history) - n :][:k]  # noqa: E731
+    monkeypatch.setattr(kvlib.speculative, "propose", oracle)
+    g = generate(model, text(), NEW, eos_token_id=want[e], prompt_lookup_num_tokens=4)
+    assert g.tokens == want[: e + 1] and g.forwards == 1 and g.accepted == 4
+    assert g.cache.seq_len == n + e  # cropped to the EOS: the guesses past it are gone
+
+
 def test_a_prefix_cache_and_prompt_lookup_together():
     model = model_of()
     pool = BlockPool.for_model(model.config, 64, 4, device="cpu", dtype=torch.float32,
