@@ -11,12 +11,12 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 from transformers import cache_utils
 
 import kvlib
+from course.simulate import simulate
 from kvlib.cards import Card, card
 from kvlib.cat_cache import CatCache
 from kvlib.config import GIB, MIB
 from kvlib.kv_cache import KVCache
 from kvlib.memory import free, memory_stats
-from kvlib.simulate import simulate
 
 from . import plots, say
 from .memory_trace import memory_snapshot

@@ -13,11 +13,11 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 import kvlib
+from course.simulate import simulate
 from kvlib.bandwidth import step_bytes
 from kvlib.budget import plan_budget
 from kvlib.config import GIB, MIB
 from kvlib.memory import allocator_budget, free
-from kvlib.simulate import simulate
 
 from . import plots, say
 from .nb02 import H200, big_card, card_run  # noqa: F401 (big_card: the notebook's lab.big_card)

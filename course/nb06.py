@@ -9,10 +9,10 @@ import torch
 from IPython.display import display
 from matplotlib.figure import Figure
 
+from course.simulate import simulate
 from kvlib.budget import meta_model, plan_budget
 from kvlib.cards import CARDS
 from kvlib.config import GIB, load_config
-from kvlib.simulate import simulate
 
 from . import WIDTH, plots, wrapped  # noqa: F401 (WIDTH: the calculator's width, tested)
 

@@ -177,7 +177,7 @@ def plan_budget(config: PretrainedConfig, dtype: torch.dtype, budget_bytes: int,
     """The :class:`Budget` of ``config`` in ``dtype`` for kvlib's token loop; ``attention``:
     ``"fused"`` (sm >= 8.0) or ``"math"``, where kernels fall back (``cards.sdpa_kernel``).
 
-    The guarantee: ``max_context`` runs on :mod:`kvlib.simulate`'s card (live tensor bytes, op by
+    The guarantee: ``max_context`` runs on :mod:`course.simulate`'s card (live tensor bytes, op by
     op), ``batch`` requests of a prompt and its new tokens, at any ``prefill_chunk``; 1% more does
     not. It prices every tensor the loop holds: weights, RoPE's buffers, KV, the prompt's ids, each
     phase's activations, masks, the kernels' outputs and the math path's scores; a prompt of the

@@ -11,10 +11,10 @@ import math
 
 import torch
 
+from course.simulate import Ledger
 from kvlib import CatCache
 from kvlib.config import head_dim, load_config
 from kvlib.meter import AllocMeter
-from kvlib.simulate import Ledger
 
 from .checking import attempt, check, expect
 

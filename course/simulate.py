@@ -11,15 +11,15 @@ from functools import cache
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .budget import meta_model
-from .cards import Card, Kernels
-from .cards import card as get_card
-from .cat_cache import CatCache
-from .config import GIB, MIB, kv_bytes_per_token, size
-from .decoder import check_supported, forward
-from .kv_cache import KVCache
-from .memory import largest
-from .meter import MeteredCache, fill, new_storages
+from kvlib.budget import meta_model
+from kvlib.cards import Card, Kernels
+from kvlib.cards import card as get_card
+from kvlib.cat_cache import CatCache
+from kvlib.config import GIB, MIB, kv_bytes_per_token, size
+from kvlib.decoder import check_supported, forward
+from kvlib.kv_cache import KVCache
+from kvlib.memory import largest
+from kvlib.meter import MeteredCache, fill, new_storages
 
 __all__ = ["Ledger", "Run", "fits_context", "longest_context", "simulate"]
 
