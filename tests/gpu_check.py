@@ -65,6 +65,13 @@ TARGET_MS = {8192: 5.0, 16384: 5.5}  # issue 22: graph decode of Qwen3-4B on the
 # fp32 margin is at most 2 * DRIFT, so where eager's own is at most 4 * DRIFT: a tie, not a bug.
 DRIFT = 13
 TIE = 4 * DRIFT
+
+
+def tie(margin: float, step: float) -> bool:
+    """Is a top-two ``margin`` within ``TIE`` steps (``step``: the dtype's spacing at the top)?"""
+    return margin <= TIE * step
+
+
 LIMIT_S = 6 * 60
 REHEARSAL = dict(CONTEXT=1024, NEW=4, SPEED_CONTEXTS=(512, 1024), SPEED_STEPS=2, LAYERS=2)
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -310,14 +317,14 @@ def decode(ctx):
     margin = (top[0] - top[1]).item()
     data["eager_vs_static"] = {"first_diff": i, "top": top[0].item(), "margin": margin,
                                "dtype_step": step}
-    ok &= margin <= TIE * step
+    ok &= tie(margin, step)
     same = "identical" if tokens["graph"] == tokens["static"] else "DIFFER"
     return ("PASS" if ok else "FAIL"), (
         f"{line}; graph and static {same}"
         f"; eager parts from them at token {i} of {NEW}, where its top two logits differ by "
         f"{margin:.4f} = {margin / step:.1f} steps of {str(model.dtype).removeprefix('torch.')} at "
         f"{top[0].item():.2f} "
-        f"({'a tie' if margin <= TIE * step else 'NOT a tie'})"), data
+        f"({'a tie' if tie(margin, step) else 'NOT a tie'})"), data
 
 
 def _ms_per_token(step, contexts, device, steps: int, syncs: list) -> dict[int, float]:

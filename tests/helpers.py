@@ -133,3 +133,11 @@ def check_tests(module, cases, notes=None):
         assert_check_behaves(capsys, check, solution, wrongs, note=notes.get(check))
 
     return test_check
+
+
+def write(cache, start, k, v):
+    """Token by token, every layer, as decode steps write (a ring's views stay its slots)."""
+    for t in range(k.shape[0]):
+        for layer in range(cache.n_layers):
+            cache.write(layer, start + t, k[t : t + 1] + layer, v[t : t + 1] - layer)
+        cache.seq_len = start + t + 1

@@ -6,6 +6,7 @@ the bookkeeping, not per-head K/V (see :mod:`kvlib.contract`), and is run throug
 
 import pytest
 import torch
+from helpers import write
 
 from kvlib import AllocMeter, CatCache, KVCache, LatentCache, MeteredCache, QuantCache, RingCache
 from kvlib.contract import (
@@ -51,14 +52,6 @@ def data(cache, n, seed):
     g = torch.Generator().manual_seed(seed)
     shapes = [(n, R), (n, P)] if isinstance(cache, LatentCache) else [(n, H, D)] * 2
     return [torch.randn(s, generator=g) for s in shapes]
-
-
-def write(cache, start, a, b):
-    """Token by token, every layer, as decode steps write (a ring's views stay its slots)."""
-    for t in range(a.shape[0]):
-        for layer in range(cache.n_layers):
-            cache.write(layer, start + t, a[t : t + 1] + layer, b[t : t + 1] - layer)
-        cache.seq_len = start + t + 1
 
 
 def views(cache):

@@ -11,7 +11,7 @@ import functools
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import tiny_model, write
 from test_generate import PROMPT_LEN, hf_reference, prompt
 from test_ring_cache import hf_reference as ring_reference
 from test_ring_cache import model_of as ring_model
@@ -44,14 +44,6 @@ def make(kind, config=None, window=64, sinks=0):
 def data(n, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g)
-
-
-def write(cache, start, k, v):
-    """Token by token, every layer, as decode steps write (a ring's views stay its slots)."""
-    for t in range(k.shape[0]):
-        for layer in range(cache.n_layers):
-            cache.write(layer, start + t, k[t : t + 1] + layer, v[t : t + 1] - layer)
-        cache.seq_len = start + t + 1
 
 
 def views(cache):

@@ -13,8 +13,8 @@ import torch
 
 from kvlib import CatCache
 from kvlib import budget as kv_budget
-from kvlib import cache as kv_cache
 from kvlib import config as kv_config
+from kvlib import contract as kv_contract
 from kvlib.budget import meta_model, plan_budget, weight_bytes
 from kvlib.config import GIB, head_dim, load_config
 
@@ -26,8 +26,8 @@ _HERE = sys.modules[__name__]
 PLAN = ((kv_budget, "plan_budget"), (kv_budget, "Budget"))
 KV_BYTES = PLAN + ((kv_config, "kv_bytes_per_token"), (kv_config, "kv_token_bytes"),
                    (kv_config, "kv_bytes"), (kv_budget, "kv_bytes"),
-                   (kv_budget, "kv_bytes_per_token"), (kv_cache, "kv_token_bytes"),
-                   (kv_cache, "bytes_per_token"), (_HERE, "batch_kv_bytes_solution"))
+                   (kv_budget, "kv_bytes_per_token"), (kv_contract, "kv_token_bytes"),
+                   (kv_contract, "bytes_per_token"), (_HERE, "batch_kv_bytes_solution"))
 EXTRA = PLAN + ((_HERE, "extra_tokens_on_t4_solution"), (_HERE, "llama_on_t4"))
 
 
