@@ -117,10 +117,12 @@ def check_ids(model, ids, who: str = "") -> None:
         raise ValueError(f"{who}ids are {ids.dtype} on {ids.device}: token ids are torch.long or "
                          f"torch.int, on the model's {model.device}")
     V = model.get_input_embeddings().num_embeddings
-    bad = [] if ids.device.type == "meta" else ((ids[0] < 0) | (ids[0] >= V)).nonzero().tolist()
-    if bad:  # one sync: nonzero's count (meta has no values to read)
-        raise ValueError(f"{who}token id {int(ids[0, bad[0][0]])} at index {bad[0][0]} of "
-                         f"{ids.shape[1]}: the vocabulary has {V} ids, 0..{V - 1}")
+    # one sync, one copy of n flags (a read the fake card answers; meta has no values to read)
+    bad = [] if ids.device.type == "meta" else ((ids[0] < 0) | (ids[0] >= V)).tolist()
+    if True in bad:
+        i = bad.index(True)
+        raise ValueError(f"{who}token id {int(ids[0, i])} at index {i} of {ids.shape[1]}: the "
+                         f"vocabulary has {V} ids, 0..{V - 1}")
 
 
 def check_start(cache, start: int, n: int, who: str = "") -> None:
