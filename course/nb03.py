@@ -1,27 +1,25 @@
-"""Notebook 03's machinery (the preallocated cache): the figure it opens with (the simulated 12 GiB
-card beside the H200 reference), the drawn slots, the interleaved timing of the two caches, and on
-a GPU both caches run on the card. Each function is one notebook cell's call and prints one line
-(two where it sets this run beside the H200 reference).
-"""
+"""Notebook 03's machinery, one call per cell: the opening figure (the simulated 12 GiB card beside
+the H200 reference), the drawn slots, every cache's time per decode step against the context (this
+machine's, then the committed references'), and on a GPU both caches on the card."""
 
 import statistics
 import textwrap
 from functools import partial
 
 import torch
+from IPython.display import Image
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 import kvlib
 from course.simulate import simulate
-from kvlib.bandwidth import step_bytes
 from kvlib.budget import plan_budget
 from kvlib.config import GIB, MIB
 from kvlib.memory import allocator_budget, free
 
-from . import plots, say
+from . import bench, plots, say
 from .nb02 import H200, big_card, card_run  # noqa: F401 (big_card: the notebook's lab.big_card)
-from .rounds import disturbed, report, rounds
+from .rounds import disturbed, flag_label, report, rounds, shown
 
 COLORS = plots.CACHE_COLORS
 
@@ -34,37 +32,27 @@ def answer_figure(qwen, card, context: int):
              f"no allocator) · Qwen3-4B {str(qwen.dtype).removeprefix('torch.')}")
     fig, (left, right) = plots.figure("The preallocated cache against the cat cache on a 12 GiB "
                                       "card", size=(12, 4.6), panels=2)
-    cat = sims["cat"]
-    for kind, run in sims.items():
-        x = [t / 1000 for t in run.timeline["tokens"]]
-        left.plot(x, [b / GIB for b in run.timeline["live"]], color=COLORS[kind],
-                  label=f"{kind}: held between steps")
-        left.plot(x, [b / GIB for b in run.timeline["peak"]], ":", color=COLORS[kind],
-                  label=f"{kind}: peak during the chunk")
-    if not cat.fits:  # where the cat cache's next copy asked for more than the budget
-        left.plot(cat.timeline["tokens"][-1] / 1000, cat.timeline["peak"][-1] / GIB, "x",
-                  color=COLORS["cat"], ms=12, mew=2.5, label="cat: out of memory")
-    left.axhline(card.memory / GIB, color="black", lw=1.5, ls="--",
-                 label=f"budget {card.memory / GIB:g} GiB")
+    cat, budget, near = sims["cat"], card.memory / GIB, sims["prealloc"].timeline["tokens"][-1] - 2048
+    zoom = left.inset_axes([0.06, 0.5, 0.38, 0.25])  # the last 2,048 tokens: the lines nearly touch
+    for ax in (left, zoom):
+        for kind, run in sims.items():
+            rows = [i for i, t in enumerate(run.timeline["tokens"]) if ax is left or t >= near]
+            for key, style, what in (("live", "-", "held between steps"),
+                                     ("peak", ":", "peak during the chunk")):
+                ax.plot([run.timeline["tokens"][i] / 1000 for i in rows],
+                        [run.timeline[key][i] / GIB for i in rows], style, color=COLORS[kind],
+                        label=f"{kind}: {what}")
+        if not cat.fits:  # where the cat cache's next copy asked for more than the budget
+            ax.plot(cat.timeline["tokens"][-1] / 1000, cat.timeline["peak"][-1] / GIB, "x",
+                    color=COLORS["cat"], ms=12, mew=2.5, label="cat: out of memory")
+        ax.axhline(budget, color="black", lw=1.5, ls="--", label=f"budget {budget:g} GiB")
     held = min(sims["prealloc"].timeline["live"]) / GIB
-    left.text(0.5, card.memory / GIB + 0.06, f"budget {card.memory / GIB:g} GiB", fontsize=8)
     left.text(0.5, held - 0.2, f"prealloc: flat at {held:.3f} GiB", fontsize=8,
               color=COLORS["prealloc"])
     left.set(title=textwrap.fill(label, 80), xlabel="thousands of tokens held", ylabel="GiB",
-             ylim=(7, card.memory / GIB * 1.025))
+             ylim=(7, budget * 1.025))
     left.legend(fontsize=7, loc="lower right")
-    zoom = left.inset_axes([0.06, 0.5, 0.38, 0.25])  # the last tokens, where the lines nearly touch
-    end = sims["prealloc"].timeline["tokens"][-1]
-    for kind, run in sims.items():
-        near = [i for i, t in enumerate(run.timeline["tokens"]) if t >= end - 2048]
-        for key, style in (("live", "-"), ("peak", ":")):
-            zoom.plot([run.timeline["tokens"][i] / 1000 for i in near],
-                      [run.timeline[key][i] / GIB for i in near], style, color=COLORS[kind])
-    zoom.axhline(card.memory / GIB, color="black", lw=1.5, ls="--")
-    if not cat.fits:
-        zoom.plot(cat.timeline["tokens"][-1] / 1000, cat.timeline["peak"][-1] / GIB, "x",
-                  color=COLORS["cat"], ms=8, mew=2)
-    zoom.set_ylim(card.memory / GIB - 0.06, card.memory / GIB + 0.005)
+    zoom.set_ylim(budget - 0.06, budget + 0.005)
     zoom.set_title(f"zoom: prealloc peaks at {sims['prealloc'].peak / MIB:,.1f} of "
                    f"{card.memory / MIB:,.0f} MiB", fontsize=7)
     zoom.tick_params(labelsize=6)
@@ -142,45 +130,47 @@ def slots_figure(max_seq: int = 16, chunk: int = 4, prompt: int = 10) -> Figure:
     return fig
 
 
-def time_both(model, context: int, label: str, ref_config, steps: int = 8, rounds_n: int = 3):
-    """Decode steps after a ``context``-token prompt, both caches, in rounds
-    (:mod:`course.rounds`); two lines: the ratio, its range over the rounds and the bytes ratio
-    here; the H200 reference's ratio, its bytes ratio (from ``ref_config``, the reference model's
-    config) and how far its step sat above its bandwidth floor."""
-    ids = torch.randint(0, model.config.vocab_size, (1, context),
-                        generator=torch.Generator().manual_seed(0)).to(model.device)
-    ms = rounds({kind: partial(generate_timed, model, ids, kind, steps)
-                 for kind in ("prealloc", "cat")}, rounds_n)
-    per_round = sorted(c / p for c, p in zip(ms["cat"], ms["prealloc"]))
-    ratio = statistics.median(ms["cat"]) / statistics.median(ms["prealloc"])
-    ceiling = (step_bytes(model.config, model.dtype, context, "cat")
-               / step_bytes(model.config, model.dtype, context, "prealloc"))
-    ref = plots.gpu_reference("bench_time")
-    h200 = ""
-    if ref is not None:
-        data = ref[0]
-        cat, pre = (data["caches"][k]["ms_per_token"][-1] for k in ("cat", "prealloc"))
-        name = data["model"].replace("random:", "random-weight ").replace("qwen3-4b", "Qwen3-4B")
-        n, dtype = data["contexts"][-1], getattr(torch, data["dtype"])
-        ref_bytes = step_bytes(ref_config, dtype, n, "cat") / step_bytes(ref_config, dtype, n)
-        floor = data["bandwidth"]["floor_ms"][-1]
-        h200 = (f"REFERENCE ({H200}; {name}, {data['dtype']}, {n:,} tokens): cat / prealloc "
-                f"{cat / pre:.2f}x; bytes ratio {ref_bytes:.2f}x; its prealloc step took "
-                f"{pre:.1f} ms, {pre / floor:.0f}x the {floor:.1f} ms its bytes need at its "
-                "measured bandwidth")
-    report(f"{label}: after {context:,} tokens, cat / prealloc {ratio:.2f}x (per round "
-           f"{per_round[0]:.2f}..{per_round[-1]:.2f}; prealloc "
-           f"{statistics.median(ms['prealloc']):.1f} ms/step); bytes ratio {ceiling:.2f}x",
-           disturbed({f"{k} ms/step": v for k, v in ms.items()}))
-    if h200:
-        say(h200)
+def time_by_context(model, contexts, label: str, steps: int = 8, rounds_n: int = 3) -> Figure:
+    """Every cache of the bench timed as the bench times it (:func:`course.bench.ms_per_token`:
+    the decode steps after a prefill, the prefill not counted) at each context, the caches taking
+    turns in ``rounds_n`` rounds (:mod:`course.rounds`). Prints the median (min..max) of the rounds
+    and, where the spreads part, prealloc against cat (:func:`course.bench.verdicts`); the figure
+    draws each spread as a band."""
+    prompt = torch.randint(0, model.config.vocab_size, (1, max(contexts)),
+                           generator=torch.Generator().manual_seed(0)).to(model.device)
+    timed = [rounds({k: partial(bench.ms_per_token, model, prompt[:, :c], k, steps, 512)
+                     for k in bench.CACHES}, rounds_n) for c in contexts]
+    caches = {k: {"rounds_ms": [t[k] for t in timed],
+                  "spread_ms": [(min(t[k]), max(t[k])) for t in timed]} for k in bench.CACHES}
+    ratio = [statistics.median(t["cat"]) / statistics.median(t["prealloc"]) for t in timed]
+    print(f"{'ms / step':<14}" + "".join(f"{f'{c:,} tokens':<25}" for c in contexts).rstrip())
+    for k in bench.CACHES:
+        print((f"{k:<14}" + "".join(f"{shown(t[k]):<25}" for t in timed)).rstrip())
+    print(f"{'cat/prealloc':<14}" + "".join(f"{f'{r:.2f}x':<25}" for r in ratio).rstrip())
+    found = disturbed({f"{k} at {c:,}": t[k] for c, t in zip(contexts, timed) for k in t})
+    pair = {"contexts": list(contexts), "caches": {k: caches[k] for k in ("prealloc", "cat")}}
+    report(f"{label}: ms per decode step, median (min..max) of {rounds_n} rounds of {steps} steps; "
+           + "; ".join(bench.verdicts(pair)), found)
+    series = {k: (contexts, [statistics.median(r) for r in v["rounds_ms"]],
+                  tuple(zip(*v["spread_ms"]))) for k, v in caches.items()}
+    fig = plots.time_per_step(series, flag_label(label, found))
+    plots.save(fig, "nb03_time", {"contexts": list(contexts), **caches}, flag_label(label, found))
+    return fig
 
 
-def generate_timed(model, ids, kind: str, steps: int) -> float:
-    """Median ms of ``steps`` decode steps after ``ids``, prefilled in 512-token chunks."""
-    out = kvlib.generate(model, ids, steps + 1, cache=kind, eos_token_id=None, timed=True,
-                         prefill_chunk=512)
-    return 1e3 * statistics.median(out.step_s)
+def bench_reference() -> Image:
+    """The committed figure of the bench run (``python -m course.bench``), and a line for it and
+    for the H200 reference: each cache at the run's longest context, against its bytes' floor."""
+    gpu = plots.gpu_reference("bench_time")
+    for data, where in [plots.load("bench_time")] + ([gpu[:2]] if gpu else []):
+        n, kept = data["contexts"][-1], data["rounds"]
+        ms = {k: v["rounds_ms"][-1] for k, v in data["caches"].items()}
+        say(f"REFERENCE: {data['model']} on {where}, {kept} rounds, at {n:,} tokens, ms per step: "
+            + ", ".join(f"{k} {shown(v)}" + f" in {len(v)} of {kept} rounds" * (len(v) < kept)
+                        for k, v in ms.items() if v)
+            + "".join(f", {k} out of memory" for k, v in ms.items() if not v)
+            + f"; its bytes' floor {data['bandwidth']['floor_ms'][-1]:.1f} ms")
+    return Image(filename=plots.FIGURES / "bench_time.png")
 
 
 def on_this_card(device, qwen_config, dtype, context: int, cap, label: str) -> None:
@@ -192,8 +182,7 @@ def on_this_card(device, qwen_config, dtype, context: int, cap, label: str) -> N
               "cell runs both caches on the card")
         return
     big, _ = kvlib.load_model("random:qwen3-4b", device=device, dtype=dtype)
-    weights = plan_budget(qwen_config, dtype, 12 * GIB).weights
-    held = torch.cuda.memory_allocated(device) - weights
+    held = torch.cuda.memory_allocated(device) - plan_budget(qwen_config, dtype, 12 * GIB).weights
     budget = allocator_budget(device, cap) - max(held, 0) - 256 * MIB
     n = min(context, plan_budget(qwen_config, dtype, budget).max_context)
     parts = []
