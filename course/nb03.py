@@ -32,8 +32,9 @@ def answer_figure(qwen, card, context: int):
              f"no allocator) · Qwen3-4B {str(qwen.dtype).removeprefix('torch.')}")
     fig, (left, right) = plots.figure("The preallocated cache against the cat cache on a 12 GiB "
                                       "card", size=(12, 4.6), panels=2)
-    cat, budget, near = sims["cat"], card.memory / GIB, sims["prealloc"].timeline["tokens"][-1] - 2048
-    zoom = left.inset_axes([0.06, 0.5, 0.38, 0.25])  # the last 2,048 tokens: the lines nearly touch
+    cat, budget, pre = sims["cat"], card.memory / GIB, sims["prealloc"]
+    near = pre.timeline["tokens"][-1] - 2048  # the zoom: the end, where the lines nearly touch
+    zoom = left.inset_axes([0.06, 0.5, 0.38, 0.25])
     for ax in (left, zoom):
         for kind, run in sims.items():
             rows = [i for i, t in enumerate(run.timeline["tokens"]) if ax is left or t >= near]
@@ -46,14 +47,14 @@ def answer_figure(qwen, card, context: int):
             ax.plot(cat.timeline["tokens"][-1] / 1000, cat.timeline["peak"][-1] / GIB, "x",
                     color=COLORS["cat"], ms=12, mew=2.5, label="cat: out of memory")
         ax.axhline(budget, color="black", lw=1.5, ls="--", label=f"budget {budget:g} GiB")
-    held = min(sims["prealloc"].timeline["live"]) / GIB
+    held = min(pre.timeline["live"]) / GIB
     left.text(0.5, held - 0.2, f"prealloc: flat at {held:.3f} GiB", fontsize=8,
               color=COLORS["prealloc"])
     left.set(title=textwrap.fill(label, 80), xlabel="thousands of tokens held", ylabel="GiB",
              ylim=(7, budget * 1.025))
     left.legend(fontsize=7, loc="lower right")
     zoom.set_ylim(budget - 0.06, budget + 0.005)
-    zoom.set_title(f"zoom: prealloc peaks at {sims['prealloc'].peak / MIB:,.1f} of "
+    zoom.set_title(f"zoom: prealloc peaks at {pre.peak / MIB:,.1f} of "
                    f"{card.memory / MIB:,.0f} MiB", fontsize=7)
     zoom.tick_params(labelsize=6)
     ref = plots.gpu_reference("gpu_longest")
