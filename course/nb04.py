@@ -109,7 +109,7 @@ def backend_table(device, dtype, heads_from, seq=256):
             try:
                 ran[layout, mode, backend] = _call(mode, q, keys[layout], values[layout], mask)
             except RuntimeError as err:
-                refused[backend] = (why and str(why[0].message) or str(err)).splitlines()[0]
+                refused[backend] = str(why[0].message if why else err).splitlines()[0]
     short = {b: b.removesuffix("_ATTENTION") for b in BACKENDS}
     say(f"{hq} query / {hkv} KV heads ({heads_from}), one query over {seq} keys, "
         f"{str(dtype).removeprefix('torch.')}: the backends that ran each call")
