@@ -111,8 +111,8 @@ def fit_figure(runs: dict, ms_per_byte: float, ms_per_kernel: float, label: str)
     """Per model, each step's measured ms (median, its rounds' min..max as a bar) on the fit's two
     terms, stacked: ``nb05_cpu_fit``, flagged if a run was disturbed."""
     label = flag_label(label, [d for r in runs.values() for d in r["disturbed"]])
-    fig, axes = plots.figure("Where a decode step's time goes on this CPU: bytes and kernels",
-                             label, "", "ms per step", size=(9, 4.5), panels=len(runs))
+    fig, axes = plots.figure("A decode step on this CPU: its bytes and its kernels",
+                             label, "", "ms per step", size=(10, 4.5), panels=len(runs))
     for ax, (name, r) in zip(axes, runs.items()):
         mid, lo, hi = zip(*((statistics.median(v), min(v), max(v)) for v in r["ms"].values()))
         ax.bar(STEPS, r["bytes"] * ms_per_byte, 0.4, color="tab:blue", label="fit: bytes term")
@@ -122,8 +122,7 @@ def fit_figure(runs: dict, ms_per_byte: float, ms_per_kernel: float, label: str)
         ax.errorbar(STEPS, mid, spread, fmt="o", color="k", label="measured: median, min..max")
         ax.set_xticks(STEPS, [f"{m}\n{r['kernels'][m]:,} kernels" for m in STEPS])
         ax.set_title(name, fontsize=9)
-    fig.legend(*axes[0].get_legend_handles_labels(), fontsize=8, loc="outside upper center",
-               ncols=3)
+    fig.legend(*axes[0].get_legend_handles_labels(), fontsize=8, loc="outside right upper")
     plots.save(fig, "nb05_cpu_fit", label=label, data={"runs": runs, "ms_per_byte": ms_per_byte,
                                                         "ms_per_kernel": ms_per_kernel})
     return fig
