@@ -6,7 +6,7 @@ One process, one model, one prompt, several context lengths: decode time per tok
 bytes kvlib's caches allocate per decode step (the meter); the bandwidth floor and the fraction of
 it reached (MBU); on a GPU, CUDA-graph decode against eager. Speed is compared as ratios, in one
 run, timed in rounds (:mod:`course.rounds`). The longest context on a real card is the GPU check's
-(``tests/gpu_check.py`` runs :func:`longest_context` with nothing else alive), not the bench's.
+(``tests/gpu_memory.py``, run with nothing else alive), not the bench's.
 
 A progress bar goes to stderr; the last line on stdout is one JSON object. ``--out DIR`` also writes
 the figures (PNG + JSON, labelled) and ``bench.md``.
@@ -27,11 +27,10 @@ from transformers import StaticCache, StoppingCriteria, StoppingCriteriaList
 from transformers.utils import logging as hf_logging
 
 from kvlib.bandwidth import decode_bytes, floor_s_per_token, measure_bandwidth
-from kvlib.budget import plan_budget
 from kvlib.decoder import forward
 from kvlib.env import default_device, describe, label, resolve
 from kvlib.loop import generate
-from kvlib.memory import cap_memory, free, largest, memory_stats
+from kvlib.memory import cap_memory, free, memory_stats
 from kvlib.meter import AllocMeter, MeteredCache, fill
 from kvlib.models import load_model
 from kvlib.timing import StepTimer
@@ -96,66 +95,6 @@ def cache_bytes_per_step(model, context: int, kind: str) -> int:
         forward(model, torch.zeros(1, 1, dtype=torch.long, device=model.device),
                 MeteredCache(cache, meter), context)
     return meter.by_region.get("cache", 0)
-
-
-def _runs(model, kind: str, n: int, chunk: int) -> dict:
-    """Does a chunked prefill of ``n - 1`` tokens and a decode step (``n`` slots) fit in memory?
-
-    The prefill's last chunk, a full one, and the decode step run for real at the longest context,
-    where their transients are largest. The slots before are zeros written straight into the cache:
-    they cost what real keys cost, and cat grows ``chunk`` slots per write, layer by layer, as a
-    chunked prefill grows it (memory after each chunk in ``grown``).
-    """
-    device, last, grown = model.device, min(chunk, n - 1), []
-
-    def attempt():  # its cache is gone when it returns or raises, before memory is read
-        cache = _cache(model, kind, n)
-        for end in range(chunk, n - 1 - last + chunk, chunk) if kind == "cat" else ():
-            fill(cache, min(end, n - 1 - last))
-            grown.append({"tokens": cache.seq_len, **memory_stats(device)})
-        ids = torch.zeros(1, max(last, 1), dtype=torch.long, device=device)
-        if last:
-            forward(model, ids, cache, n - 1 - last)
-        forward(model, ids[:, :1], cache, n - 1)
-
-    free(device)
-    if device.type == "cuda":  # peaks from here: the weights, not an earlier try
-        torch.cuda.reset_peak_memory_stats(device)
-    before = memory_stats(device).get("allocated")  # the weights, and what a library keeps
-    try:
-        attempt()
-        fits = True
-    except torch.OutOfMemoryError:
-        fits = False
-    stats = memory_stats(device)
-    free(device)
-    return {"tokens": n, "fits": fits, "allocated_before": before, "grown": grown,
-            **{k: stats.get(k) for k in ("peak_allocated", "peak_reserved")}}
-
-
-def longest_context(model, budget: int, chunk: int) -> dict:
-    """The longest context each kvlib cache reaches under ``budget`` bytes, against the plan.
-
-    ``budget`` is what the allocator may hold, weights included (on a GPU,
-    :func:`kvlib.memory.allocator_budget` once the model is loaded). Each cache is bisected from the
-    plan, below a cache that alone would overflow what the weights leave; every try (:func:`_runs`)
-    is kept in ``tries``. ``cat_trace``: memory as the longest cat that fitted grew.
-    """
-    plan = plan_budget(model.config, model.dtype, budget, prefill_chunk=chunk)
-    held = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
-    hi = max(0, budget - held) // plan.kv_per_token + 1  # a cache this long could not fit at all
-    out = {"arithmetic": plan.max_context, "budget": budget, "chunk": chunk, "tries": {}}
-    for kind in METERED:
-        tries = out["tries"][kind] = []
-
-        def fits(n, kind=kind, tries=tries):
-            tries.append(_runs(model, kind, n, chunk))
-            return tries[-1]["fits"]
-
-        out[kind] = largest(fits, hi, plan.max_context)
-    cat = out["tries"]["cat"]
-    out["cat_trace"] = next((t["grown"] for t in cat if t["tokens"] == out["cat"]), [])
-    return out
 
 
 def _freed(fn, model, *args):
