@@ -59,6 +59,9 @@ def no_cache_steps(model, lengths, label: str, s_star: float | None = None, roun
     X = torch.tensor([[float(S) ** p for p in powers] for S in sizes], dtype=torch.float64)
     coef = torch.linalg.lstsq(X, torch.tensor(best, dtype=torch.float64)[:, None]).solution
     coef = coef[:, 0].tolist()
+
+    def fitted(S, k=None):  # the fit's first k terms (all: None) at S, in seconds
+        return sum(c * S**p for p, c in zip(powers[:k], coef))
     found = problems(samples) + [f"the fit's S^{p} term is {c:.3g} s, not above 0"
                                  for p, c in zip(powers, coef) if p and c <= 0]
     shown, terms = flag_label(label, found), " + ".join(["a", "b·S", "c·S²"][:len(powers)])
@@ -73,19 +76,19 @@ def no_cache_steps(model, lengths, label: str, s_star: float | None = None, roun
         ax.plot(sizes, [m * scale / (S if per_S else 1) for S, m in zip(sizes, best)], "o",
                 zorder=3, label="measured: the best round")
         for k, style, color, name in fits:  # k: the fit's first k terms
-            ax.plot(dense, [sum(c * S**p for p, c in zip(powers[:k], coef)) * scale
-                            / (S if per_S else 1) for S in dense], style, color=color, label=name)
+            ax.plot(dense, [fitted(S, k) * scale / (S if per_S else 1) for S in dense], style,
+                    color=color, label=name)
         ax.set(ylabel=what)
     _limits(*axes)
     plots.save(fig, "nb01_time_per_step" if s_star is None else "nb01_quadratic",
                {"lengths": sizes, "samples_s": list(samples.values()), "fit": coef,
                 "problems": found}, shown)
     per_token = [m / S for S, m in zip(sizes, best)]
-    off = max(abs(m / sum(c * S**p for p, c in zip(powers, coef)) - 1) for S, m in zip(sizes, best))
+    off = max(abs(m / fitted(S) - 1) for S, m in zip(sizes, best))
     a, b, c = coef + [0] * (3 - len(coef))
     report(f"S = {sizes[0]:,} to {sizes[-1]:,}: best step {best[0] * 1e3:.1f} to "
            f"{best[-1] * 1e3:.1f} ms, per token re-run {per_token[0] * 1e6:,.0f} → "
-           f"{per_token[-1] * 1e6:,.0f} µs; fit a = {a * 1e3:.1f} ms, b = {b * 1e6:.1f} µs a "
+           f"{per_token[-1] * 1e6:,.0f} µs; fit a = {a * 1e3:.1f} ms, b = {b * 1e6:,.1f} µs a "
            f"token, missing a length by at most {off:.0%}" + ("" if s_star is None else
            f"; at S = {sizes[-1]:,} the S² term is {c * sizes[-1] ** 2 / best[-1]:.0%} of the "
            f"step; crossover b / c = {f'{b / c:,.0f}' if b > 0 and c > 0 else 'none'} tokens "
@@ -188,7 +191,6 @@ def roofline(model, ns, peak: float, bandwidth: float, flops, label: str):
         ax.annotate("decode step" if n == 1 else f"n={n}", (x, r / 1e9),
                     textcoords="offset points", xytext=(5, -10), fontsize=8)
     ax.set(xscale="log", yscale="log")
-    ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="lower right")
     plots.save(fig, "nb01_roofline", {"n": list(samples), "prefill_s": list(samples.values()),
                                       "peak_flops": peak, "bandwidth": bandwidth, "tpot_s": tpot,
@@ -224,25 +226,19 @@ def cpu_decode_step(model, context: int):
 
 def where_time_goes(events, config, top: int = 6) -> list[str]:
     """A profiled :func:`cpu_decode_step` (``prof.key_averages()``) by self time, an op's time
-    without its children's, so the shares add up to the step: the ``top`` ops, then the step in
-    parts: the matrix products, which read the weights (at what rate), attention, the other aten
-    ops (how many calls, how long each), the time between ops. Returns the ops, largest first."""
+    without its children's, so the shares add up to the step: the ``top`` ops, then the matrix
+    products, which read the weights (at what rate), against the other aten op calls (how many, how
+    long each on average). Returns the ops, the largest first."""
     total = next(e.cpu_time_total for e in events if e.key == OUTSIDE)  # µs: the whole step
     ranked = sorted(events, key=lambda e: -e.self_cpu_time_total)
     for e in ranked[:top]:
         print(f"  {e.key:50s} {e.count:4d} calls {e.self_cpu_time_total / 1e3:6.1f} ms "
               f"{e.self_cpu_time_total / total:4.0%}")
-    part = {"mm": 0, "attention": 0, "between": 0, "rest": 0}
-    calls = 0  # the other aten ops'
-    for e in events:
-        kind = ("mm" if e.key in MATMULS else "attention" if "scaled_dot_product" in e.key
-                else "between" if e.key == OUTSIDE else "rest")
-        part[kind] += e.self_cpu_time_total
-        calls += e.count if kind == "rest" else 0
-    weights, share = decode_bytes(config, torch.float32, 0), {k: v / total for k, v in part.items()}
-    say(f"one step, {total / 1e3:.1f} ms under the profiler: the matrix products {share['mm']:.0%}"
-        f", reading the weights' {weights / 1e6:.0f} MB at {weights / part['mm'] / 1e3:.1f} GB/s; "
-        f"attention {share['attention']:.0%}; the other {calls:,} aten op calls "
-        f"{share['rest']:.0%}, {part['rest'] / calls:.1f} µs each; between the ops "
-        f"{share['between']:.0%}")
+    mm = sum(e.self_cpu_time_total for e in events if e.key in MATMULS)
+    calls = sum(e.count for e in events if e.key not in MATMULS) - 1  # the step's region is no op
+    weights = decode_bytes(config, torch.float32, 0)
+    say(f"one step, {total / 1e3:.1f} ms under the profiler: the matrix products {mm / total:.0%},"
+        f" reading the weights' {weights / 1e6:.0f} MB at {weights / mm / 1e3:.1f} GB/s; the other"
+        f" {calls:,} aten op calls and the time between them {1 - mm / total:.0%}, "
+        f"{(total - mm) / calls:.1f} µs a call")
     return [e.key for e in ranked]

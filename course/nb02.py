@@ -81,10 +81,10 @@ def fragmentation_figure():
 
 
 def cat_step_figure(t: int = 6) -> Figure:
-    """One decode step of a ``cat`` cache, drawn slot by slot: allocate ``t + 1``, copy ``t``,
-    write one, free ``t``, which is too short for the next step's ``t + 2`` unless free neighbours
-    merge with it."""
-    label = f"t = {t}: allocate {t + 1} slots, copy {t}, write 1, then free the {t}"
+    """One decode step of a ``cat`` cache, drawn slot by slot; its label says the step in words
+    (the freed block is too short for the next step unless free neighbours merge with it)."""
+    label = (f"t = {t}: allocate {t + 1} slots, copy {t}, write 1 ({2 * t + 1} slots alive at "
+             f"once), then free the {t}, too short for the next step's {t + 2}")
     fig, ax = plots.figure(f"One decode step of a cat cache: one layer's K (V is the same), "
                            f"t = {t} slots held before it", label, size=(9.5, 4.0))
     rows = ((5.0, f"1. before: K [1, Hkv, t={t}, D]", t, False),
@@ -103,12 +103,7 @@ def cat_step_figure(t: int = 6) -> Figure:
     for i in range(t):  # the copy: every old slot read, and written again
         ax.add_artist(FancyArrowPatch((i + 0.45, 3.8), (i + 0.45, 3.3), arrowstyle="-|>",
                                       mutation_scale=8, color="0.3", lw=0.8))
-    ax.text(t + 1.4, 3.15, f"allocated: t+1 = {t + 1} slots\ncopied: the t = {t} old slots (read "
-            f"{t}, written {t})\nwritten: the new token, into slot t = {t}\nalive at once: "
-            f"{2 * t + 1} slots of this layer", fontsize=8, va="center")
-    ax.text(t + 1.4, 0.9, f"the freed block of {t} slots is too short for\nthe next step, which "
-            f"asks for {t + 2}", fontsize=8, va="center")
-    ax.set(xlim=(-8, 17.5), ylim=(-0.7, 6.0))
+    ax.set(xlim=(-8, 12), ylim=(-0.7, 6.0))
     ax.axis("off")
     plots.save(fig, "nb02_cat_step", {"t": t, "allocated_slots": t + 1, "copied_slots": t,
                                       "alive_at_once": 2 * t + 1}, label)
