@@ -4,6 +4,7 @@ function is one cell: it measures or reads, prints one line, and returns a figur
 one; the notebook keeps what it teaches (the dtype rule, the meter, the bytes of a token, the plan).
 """
 
+import statistics
 import time
 from functools import partial
 
@@ -47,13 +48,12 @@ def warmup(fn, device, label: str, calls: int = 12) -> Figure:
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     plots.save(fig, "nb00_timing_warmup", {"cold_s": cold.samples_s, "warm_s": warm.samples_s},
                label)
-    after = sorted(cold.samples_s[1:])[len(cold.samples_s) // 2 - 1]  # their median
-    above = sum(s > slow for s in cold.samples_s)
-    say(f"first call {cold.samples_s[0] * 1e3:.3f} ms, {cold.samples_s[0] / after:.1f}x the cold "
-        f"calls after it; time_fn after 2 warm-ups: {warm}; " + (
-            "the warm calls scattered (another program shared the machine): no start-up cost "
-            "read" if busy else f"{above} of {calls} cold calls above the dotted line (warm p90 "
-            "+ 10%)"))
+    first = cold.samples_s[0] / statistics.median(cold.samples_s[1:])
+    verdict = ("the warm calls scattered (another program shared the machine): no start-up cost "
+               "read" if busy else f"{sum(s > slow for s in cold.samples_s)} of {calls} cold calls "
+               "above the dotted line (warm p90 + 10%)")
+    say(f"first call {cold.samples_s[0] * 1e3:.3f} ms, {first:.1f}x the cold calls after it; "
+        f"time_fn after 2 warm-ups: {warm}; {verdict}")
     return fig
 
 
