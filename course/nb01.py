@@ -165,8 +165,8 @@ def roofline(model, ns, peak: float, bandwidth: float, flops, label: str):
     cache = kvlib.KVCache.for_model(config, big + 1, device=device, dtype=dtype)
     ids = torch.randint(0, config.vocab_size, (1, big + 1),
                         generator=torch.Generator().manual_seed(2)).to(device)
-    # Each prefill writes the same K/V into slots 0..n-1 (attention is causal), so the decode
-    # step, after the longest prefill in every round, reads the cache it would in a generation.
+    # Each prefill writes the same K/V into slots 0..n-1 (attention is causal): once the warm-up
+    # round's longest prefill has run, the decode step reads, in any order, a full prompt's cache.
     calls = {n: timed(partial(kvlib.forward, model, ids[:, :n], cache, 0), device) for n in ns}
     calls["decode"] = timed(partial(kvlib.forward, model, ids[:, big:], cache, big), device)
     samples = rounds(calls, 3, 1)
