@@ -176,8 +176,7 @@ def on_this_card(device, dtype, context: int, label: str) -> None:
     rows, oom = card_run(big, context, "cat", dtype)
     big = None
     free(device)
-    worst = max(rows, key=lambda r: r["reserved"] - r["allocated"], default=None)
-    say(f"{label}: cat reached {rows[-1]['tokens'] if rows else 0:,} "
-          f"tokens ({oom or 'no OOM'}); reserved above allocated up to "
-          f"{(worst['reserved'] - worst['allocated']) / MIB if worst else 0:,.0f} MiB; allocator "
-          f"history in {path} (drag it into https://pytorch.org/memory_viz)")
+    gap = max((r["reserved"] - r["allocated"] for r in rows), default=0)
+    say(f"{label}: cat reached {rows[-1]['tokens'] if rows else 0:,} tokens ({oom or 'no OOM'}); "
+        f"reserved above allocated up to {gap / MIB:,.0f} MiB; allocator history in {path} (drag "
+        "it into https://pytorch.org/memory_viz)")
