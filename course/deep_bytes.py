@@ -7,6 +7,7 @@ The notebook keeps what it teaches: the formulas, the ring's positions, the late
 
 import argparse
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from matplotlib.figure import Figure
 
 import kvlib
 from kvlib import KVCache, RingCache
-from kvlib.budget import meta_model
+from kvlib.budget import Budget, meta_model, run_workspace
 from kvlib.config import GIB, kv_bytes, kv_bytes_per_token, load_config
 from kvlib.quant_cache import kv_format_bytes
 
@@ -33,32 +34,33 @@ DESIGNS = {  # shipped config -> how its layers store K and V
 THREADS = {"by design": "tab:blue", "by quantizing": "tab:orange", "by forgetting": "tab:green"}
 
 
-def _longest(config, budget: int, weights: int, held=None) -> int | None:
-    """The most tokens whose KV fits beside the weights (no workspace), by bisection: a windowed
-    layer's KV is not a straight line. None if the weights alone do not fit; -1 if the KV stops
-    growing (a ring) before the memory runs out."""
+def _longest(config, budget: int, weights: int, kv=None) -> int | None:
+    """The plan's longest context: weights, KV and the workspace of kvlib's token loop within
+    ``budget``, priced as :func:`kvlib.budget.plan_budget` prices them (for Qwen3-4B in bf16, its
+    number exactly); ``kv(tokens)``: the KV of that many (default: the config's, whose windowed
+    layers stop growing). None if the weights alone do not fit; -1 if the KV stops growing (a
+    ring): no length runs it out."""
     if weights >= budget:
         return None
-    kv = held or (lambda c: kv_bytes(config, BF16, c))
-    if kv(10**9) <= budget - weights:
+    kv = kv or partial(kv_bytes, config, BF16)
+    per_token = kv(10**9 + 1) - kv(10**9)  # past every window
+    if not per_token:
         return -1
-    lo, hi = 0, 10**9
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if kv(mid) <= budget - weights else (lo, mid - 1)
-    return lo
+    return Budget(weights, per_token, budget, partial(run_workspace, config, BF16),
+                  kv_at=kv).max_context
 
 
 def formats(context: int = 32_768, budget: int = 12 * GIB, window: int = 1_020,
             sinks: int = 4) -> list[dict]:
     """One row per way of storing a token's KV, in bf16 unless quantized: its bytes per token of a
-    ``context``-token sequence (the whole cache over ``context``), the longest context whose KV fits
-    ``budget`` beside the model's bf16 weights (the workspace left out), and the model's positions
-    (None for a ring numbered by places in the cache, which never runs out of them)."""
+    ``context``-token sequence (the whole cache over ``context``), the plan's longest context on
+    ``budget`` beside the model's bf16 weights (:func:`_longest`), and the model's positions (None
+    for a ring numbered by places in the cache, which never runs out of them)."""
     rows = []
     for name, design in DESIGNS.items():
         config = load_config(name)
-        weights = sum(p.numel() for p in meta_model(config).parameters()) * BF16.itemsize
+        model = meta_model(config)  # the weights and RoPE's buffers, as the plan counts them
+        weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         rows.append(dict(name=name, how=design, thread="by design", weights=weights,
                          per_token=kv_bytes(config, BF16, context) / context,
                          longest=_longest(config, budget, weights),

@@ -15,6 +15,7 @@ from kvlib.cards import CARDS
 from kvlib.config import GIB, load_config
 
 from . import WIDTH, plots, wrapped  # noqa: F401 (WIDTH: the calculator's width, tested)
+from .quantities import reached, short_of
 
 CACHES = ("prealloc", "cat")  # kvlib's two caches
 SIM_LABEL = ("simulated card (meta device: exact tensor bytes; no allocator, no fragmentation, "
@@ -99,9 +100,12 @@ def window_fits(config, card: str, window: int, attention: str = "auto") -> bool
                     attention=attention).fits
 
 
-def reference_label(label: str) -> str:
-    """The run's label without the allocator setting the notebook does not teach."""
-    return label.replace(" · expandable segments off", "")
+def reference_line(data: dict, label: str) -> str:
+    """The H200 reference (``gpu_longest``'s data and label, without the allocator setting the
+    notebook does not teach) against that run's own plan, and cat against prealloc there."""
+    return (f"REFERENCE ({label.replace(' · expandable segments off', '')}), under the real "
+            f"allocator: {reached(data)}; longest context under the cap: "
+            f"{short_of(data['prealloc'], data['cat'])}")
 
 
 def calculator_lines(model="qwen3-4b", dtype="bfloat16", batch=1, context=8192, budget_gib=12.0,
