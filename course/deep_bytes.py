@@ -7,16 +7,18 @@ The notebook keeps what it teaches: the formulas, the ring's positions, the late
 
 import argparse
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from IPython.display import Image
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 import kvlib
 from kvlib import KVCache, RingCache
-from kvlib.budget import meta_model
+from kvlib.budget import Budget, meta_model, run_workspace
 from kvlib.config import GIB, kv_bytes, kv_bytes_per_token, load_config
 from kvlib.quant_cache import kv_format_bytes
 
@@ -33,32 +35,33 @@ DESIGNS = {  # shipped config -> how its layers store K and V
 THREADS = {"by design": "tab:blue", "by quantizing": "tab:orange", "by forgetting": "tab:green"}
 
 
-def _longest(config, budget: int, weights: int, held=None) -> int | None:
-    """The most tokens whose KV fits beside the weights (no workspace), by bisection: a windowed
-    layer's KV is not a straight line. None if the weights alone do not fit; -1 if the KV stops
-    growing (a ring) before the memory runs out."""
+def _longest(config, budget: int, weights: int, kv=None) -> int | None:
+    """The plan's longest context: weights, KV and the workspace of kvlib's token loop within
+    ``budget``, priced as :func:`kvlib.budget.plan_budget` prices them (for Qwen3-4B in bf16, its
+    number exactly); ``kv(tokens)``: the KV of that many (default: the config's, whose windowed
+    layers stop growing). None if the weights alone do not fit; -1 if the KV stops growing (a
+    ring): no length runs it out."""
     if weights >= budget:
         return None
-    kv = held or (lambda c: kv_bytes(config, BF16, c))
-    if kv(10**9) <= budget - weights:
+    kv = kv or partial(kv_bytes, config, BF16)
+    per_token = kv(10**9 + 1) - kv(10**9)  # past every window
+    if not per_token:
         return -1
-    lo, hi = 0, 10**9
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if kv(mid) <= budget - weights else (lo, mid - 1)
-    return lo
+    return Budget(weights, per_token, budget, partial(run_workspace, config, BF16),
+                  kv_at=kv).max_context
 
 
 def formats(context: int = 32_768, budget: int = 12 * GIB, window: int = 1_020,
             sinks: int = 4) -> list[dict]:
     """One row per way of storing a token's KV, in bf16 unless quantized: its bytes per token of a
-    ``context``-token sequence (the whole cache over ``context``), the longest context whose KV fits
-    ``budget`` beside the model's bf16 weights (the workspace left out), and the model's positions
-    (None for a ring numbered by places in the cache, which never runs out of them)."""
+    ``context``-token sequence (the whole cache over ``context``), the plan's longest context on
+    ``budget`` beside the model's bf16 weights (:func:`_longest`), and the model's positions (None
+    for a ring numbered by places in the cache, which never runs out of them)."""
     rows = []
     for name, design in DESIGNS.items():
         config = load_config(name)
-        weights = sum(p.numel() for p in meta_model(config).parameters()) * BF16.itemsize
+        model = meta_model(config)  # the weights and RoPE's buffers, as the plan counts them
+        weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         rows.append(dict(name=name, how=design, thread="by design", weights=weights,
                          per_token=kv_bytes(config, BF16, context) / context,
                          longest=_longest(config, budget, weights),
@@ -89,9 +92,8 @@ def formats_figure(rows: list[dict], context: int, label: str) -> Figure:
     ax.set_xscale("log")  # 4 KiB to 512 KiB: every bar readable
     ax.set_xlim(1, 3 * max(r["per_token"] for r in rows) / KIB)
     ax.grid(False, axis="y")
-    for thread, color in THREADS.items():
-        ax.barh([0], [0], color=color, label=thread)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(handles=[Patch(color=c, label=t) for t, c in THREADS.items()], fontsize=8,
+              loc="lower right")
     plots.save(fig, "deep_bytes_formats", label=label, data={
         "context": context, "rows": [{k: r[k] for k in ("name", "how", "thread", "per_token")}
                                      for r in rows]})
@@ -113,16 +115,15 @@ def stream(model, ids, window: int = 1_020, sinks: int = 4, chunk: int = 64) -> 
     """``ids [1, N]`` through four caches: the full cache up to the model's positions, a window of
     ``window + sinks`` slots alone, and ``window`` + ``sinks`` at positions in the text and at
     places in the cache. ``{name: per-token NLL}``."""
-    cfg, dtype, device = model.config, model.dtype, model.device
+    cfg, kw = model.config, dict(device=model.device, dtype=model.dtype)
     trained = cfg.max_position_embeddings
-    ring = dict(device=device, dtype=dtype)
     caches = {
-        "full cache": (KVCache.for_model(cfg, trained, device=device, dtype=dtype), trained),
-        f"window {window + sinks}": (RingCache.for_model(cfg, window + sinks, **ring), None),
+        "full cache": (KVCache.for_model(cfg, trained, **kw), trained),
+        f"window {window + sinks}": (RingCache.for_model(cfg, window + sinks, **kw), None),
         f"{sinks} sinks + {window}, positions in the text": (RingCache.for_model(
-            cfg, window, sinks=sinks, **ring), None),
+            cfg, window, sinks=sinks, **kw), None),
         f"{sinks} sinks + {window}, places in the cache": (RingCache.for_model(
-            cfg, window, sinks=sinks, positions="cache", **ring), None),
+            cfg, window, sinks=sinks, positions="cache", **kw), None),
     }
     return {name: _nll(model, cache, ids[:, :n], chunk) for name, (cache, n) in caches.items()}
 
@@ -144,24 +145,19 @@ def stream_figure(runs: dict, label: str, trained: int, window: int, bucket: int
     spans = {name: [nll[a:b].mean().exp().item() if len(nll) > a else None
                     for a, b in ((window, trained), (trained, len(nll)))]
              for name, nll in runs.items()}
-    return draw_stream(dict(bucket=bucket, trained=trained, window=window, perplexity=series,
-                            spans=spans, tokens=max(map(len, runs.values())) + 1), label, directory)
-
-
-def draw_stream(data: dict, label: str, directory=None) -> Figure:
-    """The stream figure from its saved numbers (:func:`stream_figure`'s JSON)."""
-    bucket, trained = data["bucket"], data["trained"]
     fig, ax = plots.figure(f"A stream past the model's {trained:,} positions: perplexity every "
-                            f"{bucket} tokens", label, "position in the stream", "perplexity",
-                            size=(7.5, 4.6))
-    for name, series in data["perplexity"].items():
-        ax.plot([bucket * i + bucket // 2 for i in range(len(series))], series, marker="o", ms=3,
+                           f"{bucket} tokens", label, "position in the stream", "perplexity",
+                           size=(7.5, 4.6))
+    for name, ppl in series.items():
+        ax.plot([bucket * i + bucket // 2 for i in range(len(ppl))], ppl, marker="o", ms=3,
                 label=name, **(dict(color="k", ls="--", lw=2) if name == "full cache" else {}))
     ax.axvline(trained, color="0.5", lw=1, ls=":", label=f"the model's positions end ({trained:,})")
-    ax.axvline(data["window"], color="0.7", lw=1, ls="--", label="the window is full")
-    ax.set_ylim(0, 1.1 * max(max(v) for v in data["perplexity"].values()))
+    ax.axvline(window, color="0.7", lw=1, ls="--", label="the window is full")
+    ax.set_ylim(0, 1.1 * max(max(v) for v in series.values()))
     ax.legend(fontsize=8, ncols=2, loc="upper center", bbox_to_anchor=(0.5, -0.15))
-    plots.save(fig, "deep_bytes_stream", data=data, label=label, directory=directory)
+    plots.save(fig, "deep_bytes_stream", label=label, directory=directory, data=dict(
+        bucket=bucket, trained=trained, window=window, perplexity=series, spans=spans,
+        tokens=max(map(len, runs.values())) + 1))
     return fig
 
 

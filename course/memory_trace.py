@@ -19,13 +19,11 @@ class MemoryTrace:
     """One :func:`memory_stats` row per ``record(tokens)``: memory against length."""
 
     def __init__(self, device: torch.device | str) -> None:
-        self.device = resolve(device)
-        self.rows: list[dict[str, int]] = []
+        self.device, self.rows = resolve(device), []
 
     def record(self, tokens: int) -> dict[str, int]:
-        row = {"tokens": int(tokens), **memory_stats(self.device)}
-        self.rows.append(row)
-        return row
+        self.rows.append({"tokens": int(tokens), **memory_stats(self.device)})
+        return self.rows[-1]
 
     def column(self, key: str) -> list[int]:
         return [row[key] for row in self.rows]

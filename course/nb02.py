@@ -20,8 +20,7 @@ from kvlib.memory import free, memory_stats
 
 from . import plots, say
 from .memory_trace import memory_snapshot
-
-H200 = "H200, allocator capped at 12 GiB"  # how a figure from figures/h200/ is named, always
+from .quantities import H200, reference_caches, simulated_longest  # noqa: F401 (H200: nb03's)
 
 
 def source_lines(fn, needle: str) -> list[tuple[int, str]]:
@@ -76,7 +75,7 @@ def fragmentation_figure():
     ax.plot(x, resv, "--", color="tab:red", label="reserved: what the allocator holds")
     ax.fill_between(x, alloc, resv, color="tab:red", alpha=0.15,
                     label="reserved above allocated: freed blocks the allocator keeps")
-    ax.annotate(f"{gap / GIB:.1f} GiB above allocated\nat {at:,} tokens", (at / 1000, (gap + next(
+    ax.annotate(f"{gap / MIB:,.0f} MiB above allocated\nat {at:,} tokens", (at / 1000, (gap + next(
         r["allocated"] for r in trace if r["tokens"] == at)) / GIB), xytext=(0.8, 11.0),
         fontsize=9, arrowprops={"arrowstyle": "->", "color": "0.3"})
     before = next(t for t in data["tries"]["cat"] if t["tokens"] == data["cat"])["allocated_before"]
@@ -95,7 +94,7 @@ def fragmentation_figure():
     ax.annotate("", (data["prealloc"] / 1000, 6.9), xytext=(data["cat"] / 1000, 6.9),
                 arrowprops={"arrowstyle": "<->", "color": "0.2"})
     ax.text(data["cat"] / 1000 - 0.3, 6.9, f"longest under the cap: cat {data['cat']:,} tokens,\n"
-            f"preallocated {data['prealloc']:,} ({lost:,} more, {lost / data['prealloc']:.0%})",
+            f"preallocated {data['prealloc']:,} ({lost:,} more, {lost / data['prealloc']:.1%})",
             ha="right", va="center", fontsize=11, fontweight="bold")
     ax.set(ylim=(6.2, top), xlim=(0, data["prealloc"] / 1000 * 1.06))
     ax.legend(fontsize=8, loc="lower left")
@@ -146,28 +145,27 @@ def cat_step_figure(t: int = 6) -> Figure:
 
 
 def where_it_dies(qwen, card, naive: int, chunk: int = 512) -> int:
-    """A ``cat`` cache on the simulated card (exact tensor bytes, no allocator), prefilled past
-    every spare byte in ``chunk``-token chunks; prints where it died and returns the tokens held."""
+    """A ``cat`` cache on the simulated card (exact tensor bytes, no allocator): its longest context
+    (:func:`course.quantities.simulated_longest`, as notebooks 03 and 06 print it), then a run
+    pushed past every spare byte in ``chunk``-token chunks; prints where that run died and returns
+    the tokens it held."""
+    longest = simulated_longest(qwen, card, "cat")
     sim = simulate(qwen, naive + 1024 + 4, cache="cat", card=card, prefill_chunk=chunk, decode=4)
     died = sim.timeline["tokens"][-1] if sim.timeline["tokens"] else 0
     where = str(sim.oom).split(":")[0].removeprefix("simulated OOM at ") if sim.oom else "nowhere"
-    say(f"simulated {card.memory / GIB:g} GiB card (exact tensor bytes; no allocator): died "
-          f"after {died:,} tokens, at {where} in a prefill chunk; every spare byte would hold "
-          f"{naive:,}")
+    say(f"simulated {card.memory / GIB:g} GiB card (exact tensor bytes; no allocator): cat's "
+        f"longest context {longest:,} tokens (every prompt up to it fits); a run pushed past it "
+        f"died in its {chunk}-token prefill chunk from {died:,} to {died + chunk:,} tokens, at "
+        f"{where}; the KV alone (no workspace) would fit {naive:,}")
     return died
 
 
 def reference_loss() -> None:
     """What growing by ``cat`` cost on a real allocator, like for like: the H200 reference's two
-    caches on the same card under the same cap."""
+    caches on the same card under the same cap, and the allocator's reserved above allocated."""
     ref = _reference()
-    if ref is None:
-        return
-    data = ref[0]
-    lost = data["prealloc"] - data["cat"]
-    say(f"REFERENCE ({H200}): on the same card under the same cap, the cat cache held "
-          f"{data['cat']:,} tokens and a preallocated cache {data['prealloc']:,}: growing by cat "
-          f"cost {lost:,} tokens ({lost / data['prealloc']:.1%})")
+    if ref is not None:
+        say(reference_caches(ref[0]))
 
 
 def card_run(big, context: int, cache: str, dtype, chunk: int = 512, decode: int = 4):

@@ -21,6 +21,7 @@ from kvlib.memory import allocator_budget, free
 
 from . import plots, say
 from .nb02 import H200, big_card, card_run  # noqa: F401 (big_card: the notebook's lab.big_card)
+from .quantities import reference_caches, short_of, simulated_longest
 from .rounds import disturbed, report, rounds
 
 COLORS = plots.CACHE_COLORS
@@ -86,28 +87,20 @@ def answer_figure(qwen, card, context: int):
                   xlabel="thousands of tokens", ylabel="MiB reserved above allocated",
                   ylim=(0, cat_gap * 1.3))  # room above the data for the legend
         right.legend(fontsize=7, loc="upper right")
-        line = (f"REFERENCE ({H200}): longest context prealloc {data['prealloc']:,}, cat "
-                f"{data['cat']:,} ({gain(data['prealloc'], data['cat'])}); reserved above "
-                f"allocated: prealloc "
-                f"{min(pre_gap):.0f}..{max(pre_gap):.0f} MiB, cat up to {cat_gap:,.0f} MiB")
+        line = reference_caches(data)  # as notebook 02 prints it
     for ax in (left, right):
         ax.title.set_fontsize(8)
     plots.save(fig, "nb03_flat_memory", {k: {"timeline": r.timeline, "peak": r.peak}
                                          for k, r in sims.items()}, label)
-    pre = sims["prealloc"]
-    live = pre.timeline["live"]
-    pre_end, cat_end = pre.timeline["tokens"][-1], cat.timeline["tokens"][-1]
-    cat_how = ("reached it too" if cat.fits else f"ran out at {cat_end:,} ({gain(pre_end, cat_end)}"
-               f"; its next copy over the {cat.budget / MIB:,.0f} MiB budget)")
-    say(f"simulated card: prealloc reached {pre_end:,} tokens, holding {min(live) / GIB:.3f} GiB "
-          f"from the first chunk to the last (moved {(max(live) - min(live)) / MIB:.1f} MiB); cat "
-          f"{cat_how}\n{line}")
+    live, held = sims["prealloc"].timeline["live"], cat.timeline["tokens"][-1]
+    longest = {kind: simulated_longest(qwen, card, kind) for kind in sims}  # as 02 and 06 print it
+    cat_how = ("reached it too" if cat.fits else f"ran out after {held:,} tokens held (its next "
+               f"copy over the {cat.budget / MIB:,.0f} MiB budget)")
+    say(f"simulated card, both caches run to {context:,} tokens: prealloc held "
+        f"{min(live) / GIB:.3f} GiB from the first chunk to the last (moved "
+        f"{(max(live) - min(live)) / MIB:.1f} MiB); cat {cat_how}; longest context on the "
+        f"simulated card: {short_of(longest['prealloc'], longest['cat'])}\n{line}")
     return fig
-
-
-def gain(pre: int, cat: int) -> str:
-    """How much longer the preallocated cache's context is than the cat cache's."""
-    return f"prealloc {pre - cat:+,} tokens, {100 * (pre / cat - 1):+.1f}%"
 
 
 def slots_figure(max_seq: int = 16, chunk: int = 4, prompt: int = 10) -> Figure:
