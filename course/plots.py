@@ -10,6 +10,7 @@ must say where it came from.
 import dataclasses
 import json
 import os
+import statistics
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,8 +23,8 @@ from matplotlib.text import Text
 from kvlib.budget import Budget
 from kvlib.config import GIB, MIB
 
-__all__ = ["CACHE_COLORS", "FIGURES", "against_floor", "budget_bar", "bytes_per_step", "figure",
-           "gpu_reference", "load", "memory_vs_tokens", "save", "time_per_step"]
+__all__ = ["CACHE_COLORS", "FIGURES", "against_floor", "bars", "budget_bar", "bytes_per_step",
+           "figure", "gpu_reference", "load", "memory_vs_tokens", "save", "time_per_step"]
 
 # The repo's figures/, found from the package, so notebooks/ and the repo root agree.
 FIGURES = Path(__file__).resolve().parent.parent / "figures"
@@ -195,6 +196,24 @@ def against_floor(contexts: Sequence[int], measured_ms: Sequence[float], floor_m
         ax.annotate(f"{f / m:.0%}", (x, m), textcoords="offset points", xytext=(0, 6), ha="center",
                     fontsize=8)
     return _finish(fig, ax, title="MBU = floor / measured", title_fontsize=8)
+
+
+def bars(ax, groups: list[str], series: dict[str, list[list[float]]]) -> None:
+    """Median bars with min..max whiskers of each group's rounds, one colour a series, the groups
+    side by side. Each tick label's lines are wrapped to its group's share of the axis width
+    (about 12 characters an inch at 8 points) and the legend sits outside, right of the axis, so
+    neither a label nor the legend can run into its neighbour or cover a bar."""
+    width = 0.8 / len(series)
+    for i, (name, samples) in enumerate(series.items()):
+        mid = [statistics.median(s) for s in samples]
+        ax.bar([g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))], mid, width,
+               label=name, capsize=3, yerr=[[m - min(s) for m, s in zip(mid, samples)],
+                                            [max(s) - m for m, s in zip(mid, samples)]])
+    room = max(6, int(12 * ax.figure.get_figwidth() * ax.get_position().width / len(groups)))
+    ax.set_xticks(range(len(groups)), ["\n".join(textwrap.fill(line, room) for line in
+                                                 g.split("\n")) for g in groups], fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1), frameon=False)
+    ax.grid(False, axis="x")
 
 
 def _jsonable(obj):
