@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from IPython.display import Image
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 import kvlib
 from kvlib import KVCache, RingCache
@@ -91,9 +92,8 @@ def formats_figure(rows: list[dict], context: int, label: str) -> Figure:
     ax.set_xscale("log")  # 4 KiB to 512 KiB: every bar readable
     ax.set_xlim(1, 3 * max(r["per_token"] for r in rows) / KIB)
     ax.grid(False, axis="y")
-    for thread, color in THREADS.items():
-        ax.barh([0], [0], color=color, label=thread)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(handles=[Patch(color=c, label=t) for t, c in THREADS.items()], fontsize=8,
+              loc="lower right")
     plots.save(fig, "deep_bytes_formats", label=label, data={
         "context": context, "rows": [{k: r[k] for k in ("name", "how", "thread", "per_token")}
                                      for r in rows]})
@@ -115,16 +115,15 @@ def stream(model, ids, window: int = 1_020, sinks: int = 4, chunk: int = 64) -> 
     """``ids [1, N]`` through four caches: the full cache up to the model's positions, a window of
     ``window + sinks`` slots alone, and ``window`` + ``sinks`` at positions in the text and at
     places in the cache. ``{name: per-token NLL}``."""
-    cfg, dtype, device = model.config, model.dtype, model.device
+    cfg, kw = model.config, dict(device=model.device, dtype=model.dtype)
     trained = cfg.max_position_embeddings
-    ring = dict(device=device, dtype=dtype)
     caches = {
-        "full cache": (KVCache.for_model(cfg, trained, device=device, dtype=dtype), trained),
-        f"window {window + sinks}": (RingCache.for_model(cfg, window + sinks, **ring), None),
+        "full cache": (KVCache.for_model(cfg, trained, **kw), trained),
+        f"window {window + sinks}": (RingCache.for_model(cfg, window + sinks, **kw), None),
         f"{sinks} sinks + {window}, positions in the text": (RingCache.for_model(
-            cfg, window, sinks=sinks, **ring), None),
+            cfg, window, sinks=sinks, **kw), None),
         f"{sinks} sinks + {window}, places in the cache": (RingCache.for_model(
-            cfg, window, sinks=sinks, positions="cache", **ring), None),
+            cfg, window, sinks=sinks, positions="cache", **kw), None),
     }
     return {name: _nll(model, cache, ids[:, :n], chunk) for name, (cache, n) in caches.items()}
 
@@ -146,24 +145,19 @@ def stream_figure(runs: dict, label: str, trained: int, window: int, bucket: int
     spans = {name: [nll[a:b].mean().exp().item() if len(nll) > a else None
                     for a, b in ((window, trained), (trained, len(nll)))]
              for name, nll in runs.items()}
-    return draw_stream(dict(bucket=bucket, trained=trained, window=window, perplexity=series,
-                            spans=spans, tokens=max(map(len, runs.values())) + 1), label, directory)
-
-
-def draw_stream(data: dict, label: str, directory=None) -> Figure:
-    """The stream figure from its saved numbers (:func:`stream_figure`'s JSON)."""
-    bucket, trained = data["bucket"], data["trained"]
     fig, ax = plots.figure(f"A stream past the model's {trained:,} positions: perplexity every "
-                            f"{bucket} tokens", label, "position in the stream", "perplexity",
-                            size=(7.5, 4.6))
-    for name, series in data["perplexity"].items():
-        ax.plot([bucket * i + bucket // 2 for i in range(len(series))], series, marker="o", ms=3,
+                           f"{bucket} tokens", label, "position in the stream", "perplexity",
+                           size=(7.5, 4.6))
+    for name, ppl in series.items():
+        ax.plot([bucket * i + bucket // 2 for i in range(len(ppl))], ppl, marker="o", ms=3,
                 label=name, **(dict(color="k", ls="--", lw=2) if name == "full cache" else {}))
     ax.axvline(trained, color="0.5", lw=1, ls=":", label=f"the model's positions end ({trained:,})")
-    ax.axvline(data["window"], color="0.7", lw=1, ls="--", label="the window is full")
-    ax.set_ylim(0, 1.1 * max(max(v) for v in data["perplexity"].values()))
+    ax.axvline(window, color="0.7", lw=1, ls="--", label="the window is full")
+    ax.set_ylim(0, 1.1 * max(max(v) for v in series.values()))
     ax.legend(fontsize=8, ncols=2, loc="upper center", bbox_to_anchor=(0.5, -0.15))
-    plots.save(fig, "deep_bytes_stream", data=data, label=label, directory=directory)
+    plots.save(fig, "deep_bytes_stream", label=label, directory=directory, data=dict(
+        bucket=bucket, trained=trained, window=window, perplexity=series, spans=spans,
+        tokens=max(map(len, runs.values())) + 1))
     return fig
 
 

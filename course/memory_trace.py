@@ -1,6 +1,6 @@
-"""The course's memory recorders for runs on a GPU: memory against length, row by row, and the
-allocator's own event history for https://pytorch.org/memory_viz. kvlib's :func:`memory_stats` is
-what each row reads; off CUDA they record what a CPU can say (the resident set) or nothing.
+"""The allocator's own event history on a GPU, for https://pytorch.org/memory_viz (notebook 02
+and the GPU check); off CUDA it records nothing. (Memory against length, row by row, is the GPU
+check's ``tests/gpu_memory.py``.)
 """
 
 import os
@@ -10,30 +10,8 @@ from contextlib import contextmanager
 import torch
 
 from kvlib.env import default_device, resolve
-from kvlib.memory import memory_stats
 
-__all__ = ["MemoryTrace", "memory_snapshot"]
-
-
-class MemoryTrace:
-    """One :func:`memory_stats` row per ``record(tokens)``: memory against length."""
-
-    def __init__(self, device: torch.device | str) -> None:
-        self.device = resolve(device)
-        self.rows: list[dict[str, int]] = []
-
-    def record(self, tokens: int) -> dict[str, int]:
-        row = {"tokens": int(tokens), **memory_stats(self.device)}
-        self.rows.append(row)
-        return row
-
-    def column(self, key: str) -> list[int]:
-        return [row[key] for row in self.rows]
-
-    def reset_peak(self) -> None:
-        """Restart ``peak_*`` from the current usage (CUDA; no-op elsewhere)."""
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+__all__ = ["memory_snapshot"]
 
 
 @contextmanager

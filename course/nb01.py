@@ -1,58 +1,36 @@
-"""Notebook 01's measuring machinery (no cache): timing rounds, fits, the check for a run that
-something else slowed, and the figures. Each public function is one notebook cell: it measures,
-prints one line and returns what the next cell needs (a fit, a figure).
-
-Sizes take turns over rounds, so load on the machine hits them alike, and each keeps its best
-round: other work on a shared machine only ever adds time. A run whose numbers cannot be right
-(:func:`problems`, or a fitted term below zero) is flagged once, in its line and its figure's label.
+"""Notebook 01's measuring machinery (no cache): the no-cache step and its fit, the whole
+generation, the roofline, and where one decode step's time goes. Each public function is one
+cell: it measures, prints one line and returns what the next cell needs. Timing goes through
+:mod:`course.rounds`; a run whose numbers cannot be right (:func:`problems`) says so once, in
+its line and its figure's label.
 """
 
-from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate
 
 import torch
 from IPython.display import Image
-from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter
+from torch.profiler import record_function
 
 import kvlib
 from kvlib.bandwidth import decode_bytes, measure_bandwidth
-from kvlib.timing import StepTimer, time_fn
+from kvlib.timing import StepTimer
 
 from . import plots, say
 from .rounds import disturbed, flag_label, report, rounds, timed
 
-
-@dataclass
-class Fit:
-    """A measurement's sizes, its rounds, the fitted coefficients (seconds), what is wrong with it
-    (empty when nothing), and its figure."""
-
-    sizes: list
-    samples: dict
-    coef: list
-    problems: list
-    fig: Figure
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")  # where a profile puts a matrix product's time
+OUTSIDE = "decode step: outside any aten op"  # the profiled step's own region: Python, modules
 
 
-def problems(samples: dict, monotonic: bool = True) -> list[str]:
+def problems(samples: dict) -> list[str]:
     """What cannot be right in ``{size: [seconds]}``: rounds of one size too far apart (a busy
     machine: :mod:`course.rounds`), or a larger size whose best beats a smaller one's by over a
     quarter (more work cannot take less time)."""
     found = disturbed({f"size {n} (ms)": [x * 1e3 for x in s] for n, s in samples.items()})
     sizes = list(samples)
-    for small, big in zip(sizes, sizes[1:]) if monotonic else ():
-        if 1.25 * min(samples[big]) < min(samples[small]):
-            found.append(f"size {big} ran faster than size {small}")
-    return found
-
-
-def fit(xs, ys, powers) -> list[float]:
-    """Least squares ``ys = sum_k c_k * xs**powers[k]``: the coefficients ``[c_k]``."""
-    X = torch.tensor([[float(x) ** p for p in powers] for x in xs], dtype=torch.float64)
-    y = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
-    return torch.linalg.lstsq(X, y).solution.squeeze(1).tolist()
+    return found + [f"size {big} ran faster than size {small}" for small, big in
+                    zip(sizes, sizes[1:]) if 1.25 * min(samples[big]) < min(samples[small])]
 
 
 def _limits(*axes):  # times and sizes start at zero
@@ -62,8 +40,11 @@ def _limits(*axes):  # times and sizes start at zero
         ax.legend(fontsize=8)
 
 
-def _steps(model, lengths, rounds_n):
-    """Rounds of one no-cache step (a forward over S random tokens, then the argmax) per S."""
+def no_cache_steps(model, lengths, label: str, s_star: float | None = None, rounds_n: int = 3):
+    """A no-cache step (a forward over S random tokens, then the argmax) at each of ``lengths``,
+    in rounds, fitted to each S's best with a + b·S, or with a + b·S + c·S² when ``s_star`` (the
+    FLOP count's crossover) is given. A fitted term that grows with S is work: at or below zero
+    it flags the run. Draws the time per step and per token re-run; returns the fit and figure."""
     gen = torch.Generator().manual_seed(0)
     ids = {S: torch.randint(0, model.config.vocab_size, (1, S), generator=gen).to(model.device)
            for S in lengths}
@@ -72,76 +53,51 @@ def _steps(model, lengths, rounds_n):
         return model(ids[S], use_cache=False).logits[:, -1].argmax(-1)
     with torch.no_grad():
         samples = rounds({S: timed(partial(step, S), model.device) for S in lengths}, rounds_n, 1)
-    return {S: s for S, s in samples.items() if s}  # a size out of memory in every round: dropped
+    samples = {S: s for S, s in samples.items() if s}  # out of memory in every round: dropped
+    sizes, best = list(samples), [min(s) for s in samples.values()]
+    powers = [0, 1] if s_star is None else [0, 1, 2]
+    X = torch.tensor([[float(S) ** p for p in powers] for S in sizes], dtype=torch.float64)
+    coef = torch.linalg.lstsq(X, torch.tensor(best, dtype=torch.float64)[:, None]).solution
+    coef = coef[:, 0].tolist()
 
-
-def step_times(model, lengths, label: str, rounds_n: int = 3) -> Fit:
-    """Measurement 1: a no-cache step of the course model against S, and the line a + b·S."""
-    samples = _steps(model, lengths, rounds_n)
-    sizes = list(samples)
-    best = [min(samples[S]) for S in sizes]
-    a, b = fit(sizes, best, [0, 1])
-    off = max(abs(m / (a + b * S) - 1) for S, m in zip(sizes, best))
-    found = problems(samples)
-    if a < 0 or b <= 0:  # a fixed cost and a cost per token: neither can be below zero
-        found.append(f"the fit gives a = {a * 1e3:.1f} ms, b = {b * 1e3:.3f} ms, not both above 0")
-    fig, ax = plots.figure("One no-cache step: time against length", flag_label(label, found),
-                           "S: tokens in the forward", "ms / step")
-    ax.errorbar(sizes, [m * 1e3 for m in best], fmt="o", capsize=3, zorder=3,
-                yerr=[[0] * len(sizes), [(max(samples[S]) - m) * 1e3 for S, m in zip(sizes, best)]],
-                label="measured: best round, bar up to the worst")
-    dense = range(0, sizes[-1] + 1, max(1, sizes[-1] // 100))
-    ax.plot(dense, [(a + b * S) * 1e3 for S in dense], "--", color="0.3", label="fit: a + b·S")
-    _limits(ax)
-    plots.save(fig, "nb01_time_per_step", label=flag_label(label, found), data={
-        "lengths": sizes, "samples_s": [samples[S] for S in sizes], "fit_ab": [a, b],
-        "problems": found})
-    report(f"S = {sizes[0]} to {sizes[-1]}: best step {best[0] * 1e3:.0f} to "
-           f"{best[-1] * 1e3:.0f} ms, "
-           f"{best[-1] / best[0]:.1f}x; the line a + b·S has a = {a * 1e3:.1f} ms, "
-           f"b = {b * 1e3:.3f} ms a token, and misses a length by at most {off:.0%}", found)
-    return Fit(sizes, samples, [a, b], found, fig)
-
-
-def square_term(model, lengths, label: str, s_star: float, rounds_n: int = 3) -> Fit:
-    """Measurement 2: the tiny model past its S*, fitted with a + b·S + c·S²."""
-    samples = _steps(model, lengths, rounds_n)
-    sizes = list(samples)
-    best = [min(samples[S]) for S in sizes]
-    a, b, c = fit(sizes, best, [0, 1, 2])
-    found = problems(samples)
-    if b <= 0 or c <= 0:  # each term is work that grows with S: it can only add time
-        found.append(f"the fit gives b = {b * 1e6:.3f} us, c = {c * 1e9:.4f} ns, not both above 0")
+    def fitted(S, k=None):  # the fit's first k terms (all: None) at S, in seconds
+        return sum(c * S**p for p, c in zip(powers[:k], coef))
+    found = problems(samples) + [f"the fit's S^{p} term is {c:.3g} s, not above 0"
+                                 for p, c in zip(powers, coef) if p and c <= 0]
+    shown, terms = flag_label(label, found), " + ".join(["a", "b·S", "c·S²"][:len(powers)])
+    fig, axes = plots.figure(f"A no-cache step against S, and the fit {terms}", shown,
+                             "S: tokens in the forward", size=(10, 4), panels=2)
+    dense = range(sizes[0], sizes[-1] + 1, max(1, sizes[-1] // 300))
+    fits = [(len(powers), "--", "0.3", f"fit: {terms}")]
+    if s_star is not None:
+        fits.append((2, ":", "0.6", "the fit without its S² term"))
+    for ax, per_S, scale, what in ((axes[0], False, 1e3, "ms / step"),
+                                   (axes[1], True, 1e6, "µs per token re-run")):
+        ax.plot(sizes, [m * scale / (S if per_S else 1) for S, m in zip(sizes, best)], "o",
+                zorder=3, label="measured: the best round")
+        for k, style, color, name in fits:  # k: the fit's first k terms
+            ax.plot(dense, [fitted(S, k) * scale / (S if per_S else 1) for S in dense], style,
+                    color=color, label=name)
+        ax.set(ylabel=what)
+    _limits(*axes)
+    plots.save(fig, "nb01_time_per_step" if s_star is None else "nb01_quadratic",
+               {"lengths": sizes, "samples_s": list(samples.values()), "fit": coef,
+                "problems": found}, shown)
     per_token = [m / S for S, m in zip(sizes, best)]
-    low = min(range(len(sizes) - 1), key=per_token.__getitem__)
-    fig, (ax1, ax2) = plots.figure("The tiny model: a no-cache step against S, and the fit "
-                                   "a + b·S + c·S²", flag_label(label, found),
-                                   "S: tokens in the forward", size=(10, 4), panels=2)
-    dense = list(range(sizes[0], sizes[-1] + 1, max(1, sizes[-1] // 300)))
-    ax1.plot(sizes, [m * 1e3 for m in best], "o", zorder=3, label="measured: best round")
-    ax1.plot(dense, [(a + b * S + c * S * S) * 1e3 for S in dense], "--", color="0.3",
-             label=f"fit: a + b·S + c·S² on S = {sizes[0]:,} to {sizes[-1]:,}")
-    ax1.plot(dense, [(a + b * S) * 1e3 for S in dense], ":", color="0.5", label="its a + b·S alone")
-    ax1.set(ylabel="ms / step", title="time per step")
-    ax2.plot(sizes, [p * 1e6 for p in per_token], "o-", label="measured: best round / S")
-    ax2.plot(dense, [(a / S + b + c * S) * 1e6 for S in dense], "--", color="0.3", label="fit / S")
-    ax2.plot(dense, [(a / S + b) * 1e6 for S in dense], ":", color="0.5",
-             label="the fit without its S² term")
-    ax2.set(ylabel="µs per token re-run", title="time per token re-run")
-    _limits(ax1, ax2)
-    plots.save(fig, "nb01_quadratic", label=flag_label(label, found), data={
-        "lengths": sizes, "samples_s": [samples[S] for S in sizes], "fit_abc": [a, b, c],
-        "problems": found})
-    report(f"time per token re-run: {per_token[low] * 1e6:.0f} → {per_token[-1] * 1e6:.0f} µs "
-           f"from S = {sizes[low]:,} to {sizes[-1]:,} ({per_token[-1] / per_token[low]:.1f}x); at "
-           f"S = {sizes[-1]:,} the fitted S² term is {c * sizes[-1] ** 2 / best[-1]:.0%} of the "
-           f"step; fitted crossover b / c = {f'{b / c:,.0f}' if b > 0 and c > 0 else 'none'} "
-           f"tokens (the FLOP count's S* = {s_star:,.0f}, or {2 * s_star:,.0f} if the kernel "
-           "skips the upper half)", found)
-    return Fit(sizes, samples, [a, b, c], found, fig)
+    off = max(abs(m / fitted(S) - 1) for S, m in zip(sizes, best))
+    a, b, c = coef + [0] * (3 - len(coef))
+    report(f"S = {sizes[0]:,} to {sizes[-1]:,}: best step {best[0] * 1e3:.1f} to "
+           f"{best[-1] * 1e3:.1f} ms, per token re-run {per_token[0] * 1e6:,.0f} → "
+           f"{per_token[-1] * 1e6:,.0f} µs; fit a = {a * 1e3:.1f} ms, b = {b * 1e6:,.1f} µs a "
+           f"token, missing a length by at most {off:.0%}" + ("" if s_star is None else
+           f"; at S = {sizes[-1]:,} the S² term is {c * sizes[-1] ** 2 / best[-1]:.0%} of the "
+           f"step; crossover b / c = {f'{b / c:,.0f}' if b > 0 and c > 0 else 'none'} tokens "
+           f"(the FLOP count's S* = {s_star:,.0f}, or {2 * s_star:,.0f} if the kernel skips the "
+           "upper half)"), found)
+    return coef, fig
 
 
-def whole_generation(decode, model, n: int, coef, label: str) -> Figure:
+def whole_generation(decode, model, n: int, coef, label: str):
     """The tiny model generates ``n`` tokens from a 1-token prompt with ``decode`` (no cache) and
     with ``kvlib.generate`` (a cache); the prediction sums the fit ``coef`` = (a, b, c) over the
     steps. The figure the notebook opens with."""
@@ -153,31 +109,31 @@ def whole_generation(decode, model, n: int, coef, label: str) -> Figure:
     with_cache = [cached.prefill_s] + cached.step_s           # each produced one token
     a, b, c = coef
     predicted = [a + b * S + c * S * S for S in range(1, n + 1)]
-    half = n // 2
-    bend = {name: sum(s[half:]) / sum(s[:half])
-            for name, s in (("no cache", no_cache), ("cache", with_cache))}
+    bend = [sum(s[n // 2:]) / sum(s[:n // 2]) for s in (no_cache, with_cache)]
     found = [why for bad, why in (
-        (bend["no cache"] < 1, "the no-cache second half, over longer forwards, took less time"),
+        (bend[0] < 1, "the no-cache second half, over longer forwards, took less time"),
         (sum(with_cache) > sum(no_cache), "the loop with a cache took longer in all")) if bad]
-    fig, (ax1, ax2) = plots.figure(f"Generating {n:,} tokens from a 1-token prompt (the tiny "
-                                   "model)", flag_label(label, found), "tokens generated",
-                                   size=(10, 4), panels=2)
-    steps = range(1, n + 1)
-    for ax, f in ((ax1, lambda s: [x * 1e3 for x in s]), (ax2, lambda s: list(accumulate(s)))):
-        ax.plot(steps, f(no_cache), color="tab:red", lw=0.8, label="no cache (re-run the prefix)")
-        ax.plot(steps, f(predicted), "--", color="0.3", label="predicted: the fit a + b·S + c·S²")
-        ax.plot(steps, f(with_cache), color="tab:blue", lw=0.8, label="kvlib.generate (a cache)")
-    ax1.set(ylabel="ms for this token", title="each step")
-    ax2.set(ylabel="seconds", title="cumulative")
-    _limits(ax1, ax2)
-    plots.save(fig, "nb01_cumulative_time", label=flag_label(label, found), data={
+    shown = flag_label(label, found)
+    fig, axes = plots.figure(f"Generating {n:,} tokens from a 1-token prompt (the tiny model)",
+                             shown, "tokens generated", size=(10, 4), panels=2)
+    for ax, f, what in ((axes[0], lambda s: [x * 1e3 for x in s], "ms for this token"),
+                        (axes[1], lambda s: list(accumulate(s)), "seconds, cumulative")):
+        for s, style, color, name in (
+                (no_cache, "-", "tab:red", "no cache (re-run the prefix)"),
+                (predicted, "--", "0.3", "predicted: the fit a + b·S + c·S²"),
+                (with_cache, "-", "tab:blue", "kvlib.generate (a cache)")):
+            ax.plot(range(1, n + 1), f(s), style, color=color, lw=1, label=name)
+        ax.set(ylabel=what)
+    _limits(*axes)
+    plots.save(fig, "nb01_cumulative_time", {
         "n_tokens": n, "no_cache_steps_s": no_cache, "cached_steps_s": with_cache,
-        "fit_abc": list(coef), "problems": found})
+        "fit_abc": list(coef), "problems": found}, shown)
+    parted = next((i for i, (x, y) in enumerate(zip(cached.tokens, no_cache_tokens)) if x != y),
+                  None)
     report(f"{n:,} tokens: no cache {sum(no_cache):.1f} s (the fit predicted "
            f"{sum(predicted):.1f} s), with a cache {sum(with_cache):.1f} s; second half over "
-           f"first: no cache {bend['no cache']:.1f}x, with a cache {bend['cache']:.1f}x; same "
-           "tokens: " + next((f"the first {i:,}, then they part" for i, (x, y) in
-                 enumerate(zip(cached.tokens, no_cache_tokens)) if x != y), f"all {n:,}"), found)
+           f"first: no cache {bend[0]:.1f}x, with a cache {bend[1]:.1f}x; same tokens: "
+           + (f"all {n:,}" if parted is None else f"the first {parted:,}, then they part"), found)
     return fig
 
 
@@ -186,44 +142,43 @@ def answer(name: str = "nb01_cumulative_time") -> Image:
     data, label = plots.load(name)
     totals = [sum(data[k]) for k in ("no_cache_steps_s", "cached_steps_s")]
     say(f"REFERENCE, figures/{name}.png ({label}): {data['n_tokens']:,} tokens, no cache "
-          f"{totals[0]:.1f} s, with a cache {totals[1]:.1f} s")
+        f"{totals[0]:.1f} s, with a cache {totals[1]:.1f} s")
     return Image(filename=str(plots.FIGURES / f"{name}.png"))
 
 
 def roofs(device, dtype, size: int) -> tuple[float, float]:
-    """This device's two roofs: FLOP/s of a ``size``² matmul in ``dtype`` (median of 5), and the
-    bandwidth of a large copy (``kvlib.bandwidth``)."""
+    """This device's two roofs: FLOP/s of a ``size``² matmul in ``dtype`` (the best of 5
+    rounds), and the bandwidth of a large copy (``kvlib.bandwidth``)."""
     x = torch.randn(size, size, device=device, dtype=dtype)
-    peak = 2 * size**3 / time_fn(lambda: x @ x, device=device, warmup=2, repeats=5).median_s
+    peak = 2 * size**3 / min(rounds({"matmul": timed(lambda: x @ x, device)}, 5, 2)["matmul"])
     bandwidth = measure_bandwidth(device)
     say(f"peak {peak / 1e9:,.0f} GFLOP/s ({size}x{size} matmul, {str(dtype)[6:]}), bandwidth "
-          f"{bandwidth / 1e9:.1f} GB/s (copy): ridge at {peak / bandwidth:.1f} FLOP per byte")
+        f"{bandwidth / 1e9:.1f} GB/s (copy): ridge at {peak / bandwidth:.1f} FLOP per byte")
     return peak, bandwidth
 
 
-def roofline(model, ns, peak: float, bandwidth: float, flops, label: str) -> Figure:
+def roofline(model, ns, peak: float, bandwidth: float, flops, label: str):
     """Prefills of ``n`` tokens from an empty cache with ``kvlib.forward`` (``n = 1`` is a decode
-    step's work), then decode steps just after the longest; ``flops(config, n, S)`` counts a
-    forward's FLOPs. Prints TTFT and TPOT and the share of the peak each prefill reached."""
-    config, dtype, device = model.config, model.dtype, model.device
-    cache = kvlib.KVCache.for_model(config, max(ns) + 1, device=device, dtype=dtype)
-    ids = torch.randint(0, config.vocab_size, (1, max(ns) + 1),
+    step's work) and a decode step after the longest, taking turns in rounds; ``flops(config, n,
+    S)`` counts a forward's FLOPs. Prints TTFT, TPOT and the share of the peak each reached."""
+    config, dtype, device, big = model.config, model.dtype, model.device, max(ns)
+    cache = kvlib.KVCache.for_model(config, big + 1, device=device, dtype=dtype)
+    ids = torch.randint(0, config.vocab_size, (1, big + 1),
                         generator=torch.Generator().manual_seed(2)).to(device)
-    with torch.no_grad():
-        samples = rounds({n: timed(partial(kvlib.forward, model, ids[:, :n], cache, 0), device)
-                          for n in ns}, 3, 1)
-    big = max(samples)
-    with torch.no_grad():
-        kvlib.forward(model, ids[:, :big], cache, 0)           # fill, then decode after it
-        tpot = time_fn(lambda: kvlib.forward(model, ids[:, big:big + 1], cache, big),
-                       device=device, warmup=1, repeats=5).median_s
-    found = problems(samples)
+    # Each prefill writes the same K/V into slots 0..n-1 (attention is causal): once the warm-up
+    # round's longest prefill has run, the decode step reads, in any order, a full prompt's cache.
+    calls = {n: timed(partial(kvlib.forward, model, ids[:, :n], cache, 0), device) for n in ns}
+    calls["decode"] = timed(partial(kvlib.forward, model, ids[:, big:], cache, big), device)
+    samples = rounds(calls, 3, 1)
+    decode = samples.pop("decode")
+    found = problems(samples) + disturbed({"decode step (ms)": [x * 1e3 for x in decode]})
+    tpot, ridge = min(decode), peak / bandwidth
     points = {n: (flops(config, n, n) / decode_bytes(config, dtype, n),
                   flops(config, n, n) / min(s)) for n, s in samples.items()}
-    ridge = peak / bandwidth
-    fig, ax = plots.figure("Roofline: a decode step and prefills of n tokens",
-                           flag_label(label, found), "arithmetic intensity (FLOP per byte moved)",
-                           "achieved GFLOP/s", size=(7, 4.4))
+    shown = flag_label(label, found)
+    fig, ax = plots.figure("Roofline: a decode step and prefills of n tokens", shown,
+                           "arithmetic intensity (FLOP per byte moved)", "achieved GFLOP/s",
+                           size=(7, 4.4))
     xs = sorted([min(x for x, _ in points.values()) / 4, ridge,
                  4 * max(x for x, _ in points.values())])
     ax.plot(xs, [min(peak, bandwidth * x) / 1e9 for x in xs], color="0.3",
@@ -236,13 +191,10 @@ def roofline(model, ns, peak: float, bandwidth: float, flops, label: str) -> Fig
         ax.annotate("decode step" if n == 1 else f"n={n}", (x, r / 1e9),
                     textcoords="offset points", xytext=(5, -10), fontsize=8)
     ax.set(xscale="log", yscale="log")
-    plain = FuncFormatter(lambda v, _: f"{v:g}")
-    ax.xaxis.set_major_formatter(plain), ax.yaxis.set_major_formatter(plain)
-    ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="lower right")
-    plots.save(fig, "nb01_roofline", label=flag_label(label, found), data={
-        "n": list(samples), "prefill_s": list(samples.values()), "peak_flops": peak,
-        "bandwidth": bandwidth, "tpot_s": tpot, "problems": found})
+    plots.save(fig, "nb01_roofline", {"n": list(samples), "prefill_s": list(samples.values()),
+                                      "peak_flops": peak, "bandwidth": bandwidth, "tpot_s": tpot,
+                                      "problems": found}, shown)
     ttft, moved = min(samples[big]), decode_bytes(config, dtype, big + 1)
     report(f"TTFT of a {big}-token prompt {ttft * 1e3:.0f} ms ({ttft / big * 1e3:.2f} ms a "
            f"token), TPOT after it {tpot * 1e3:.1f} ms: {tpot / (ttft / big):.0f}x a prefilled "
@@ -251,3 +203,43 @@ def roofline(model, ns, peak: float, bandwidth: float, flops, label: str) -> Fig
            "of the peak: " + ", ".join(f"n={n} {r / peak:.0%}" for n, (_, r) in points.items()),
            found)
     return fig
+
+
+def cpu_decode_step(model, context: int):
+    """One decode step of SmolLM2-135M in fp32 on the CPU, as a call (``model`` itself on a CPU,
+    else loaded there): its cache prefilled to ``context`` tokens and two steps run first, so the
+    call is a warm one. Under a profiler the call is one region, :data:`OUTSIDE`, whose own time
+    is what ran between the aten ops (Python, module calls, the profiler's own bookkeeping)."""
+    if model.device.type != "cpu":
+        model, _ = kvlib.load_model("smollm2-135m", device="cpu", dtype=torch.float32)
+    cache = kvlib.KVCache.for_model(model.config, context + 1, device="cpu", dtype=model.dtype)
+    ids = torch.randint(0, model.config.vocab_size, (1, context + 1),
+                        generator=torch.Generator().manual_seed(3))
+    kvlib.forward(model, ids[:, :context], cache, 0)
+
+    def step():
+        with record_function(OUTSIDE):
+            return kvlib.forward(model, ids[:, context:], cache, context)
+    for _ in range(2):  # warm-up: the profiled call is a third
+        step()
+    return step
+
+
+def where_time_goes(events, config, top: int = 6) -> list[str]:
+    """A profiled :func:`cpu_decode_step` (``prof.key_averages()``) by self time, an op's time
+    without its children's, so the shares add up to the step: the ``top`` ops, then the matrix
+    products, which read the weights (at what rate), against the other aten op calls (how many, how
+    long each on average). Returns the ops, the largest first."""
+    total = next(e.cpu_time_total for e in events if e.key == OUTSIDE)  # µs: the whole step
+    ranked = sorted(events, key=lambda e: -e.self_cpu_time_total)
+    for e in ranked[:top]:
+        print(f"  {e.key:50s} {e.count:4d} calls {e.self_cpu_time_total / 1e3:6.1f} ms "
+              f"{e.self_cpu_time_total / total:4.0%}")
+    mm = sum(e.self_cpu_time_total for e in events if e.key in MATMULS)
+    calls = sum(e.count for e in events if e.key not in MATMULS) - 1  # the step's region is no op
+    weights = decode_bytes(config, torch.float32, 0)
+    say(f"one step, {total / 1e3:.1f} ms under the profiler: the matrix products {mm / total:.0%},"
+        f" reading the weights' {weights / 1e6:.0f} MB at {weights / mm / 1e3:.1f} GB/s; the other"
+        f" {calls:,} aten op calls and the time between them {1 - mm / total:.0%}, "
+        f"{(total - mm) / calls:.1f} µs a call")
+    return [e.key for e in ranked]

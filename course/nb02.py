@@ -3,8 +3,6 @@ decode step, the simulated 12 GiB card, and on a GPU the same run on the card. E
 notebook cell's call and prints at most one line; the notebook keeps the code that teaches.
 """
 
-import inspect
-
 import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
@@ -13,21 +11,12 @@ from transformers import cache_utils
 import kvlib
 from course.simulate import simulate
 from kvlib.cards import Card, card
-from kvlib.cat_cache import CatCache
 from kvlib.config import GIB, MIB
-from kvlib.kv_cache import KVCache
 from kvlib.memory import free, memory_stats
 
 from . import plots, say
 from .memory_trace import memory_snapshot
-from .quantities import H200, reference_caches, simulated_longest  # noqa: F401 (H200: nb03's)
-
-
-def source_lines(fn, needle: str) -> list[tuple[int, str]]:
-    """(line number, line) of ``fn``'s installed source that contain ``needle``: found by search,
-    because line numbers move between releases."""
-    src, first = inspect.getsourcelines(fn)
-    return [(first + i, line.rstrip()) for i, line in enumerate(src) if needle in line]
+from .quantities import H200, reference_caches, short_of, simulated_longest  # noqa: F401 (H200: nb03's)
 
 
 def dynamic_layer() -> type:
@@ -64,10 +53,11 @@ def fragmentation_figure():
     if ref is None:
         return None
     data, label, _ = ref
-    trace = data["cat_trace"]
+    trace, cat, pre, cap = data["cat_trace"], data["cat"], data["prealloc"], data["budget"] / GIB
     x = [r["tokens"] / 1000 for r in trace]
     alloc, resv = [r["allocated"] / GIB for r in trace], [r["reserved"] / GIB for r in trace]
-    gap, at = max((r["reserved"] - r["allocated"], r["tokens"]) for r in trace)
+    gap, at, top = max((r["reserved"] - r["allocated"], r["tokens"], r["reserved"]) for r in trace)
+    before = next(t for t in data["tries"]["cat"] if t["tokens"] == cat)["allocated_before"]
     # The title leaves the cap to the label below it, which names it (H200, allocator capped).
     fig, ax = plots.figure("REFERENCE (H200): a cat cache grown chunk by chunk, Qwen3-4B", label,
                            "thousands of tokens in the cache", "GiB", size=(10, 4.6))
@@ -75,69 +65,44 @@ def fragmentation_figure():
     ax.plot(x, resv, "--", color="tab:red", label="reserved: what the allocator holds")
     ax.fill_between(x, alloc, resv, color="tab:red", alpha=0.15,
                     label="reserved above allocated: freed blocks the allocator keeps")
-    ax.annotate(f"{gap / MIB:,.0f} MiB above allocated\nat {at:,} tokens", (at / 1000, (gap + next(
-        r["allocated"] for r in trace if r["tokens"] == at)) / GIB), xytext=(0.8, 11.0),
-        fontsize=9, arrowprops={"arrowstyle": "->", "color": "0.3"})
-    before = next(t for t in data["tries"]["cat"] if t["tokens"] == data["cat"])["allocated_before"]
-    ax.annotate(f"{before / GIB:.1f} GiB before the first token:\nweights + runtime",
-                (0, before / GIB), xytext=(0.8, 9.6), fontsize=9, va="center",
-                arrowprops={"arrowstyle": "->", "color": "0.3"})
-    top = data["budget"] / GIB * 1.04
-    ax.axhline(data["budget"] / GIB, color="black", lw=1)
-    ax.text(0.3, data["budget"] / GIB + 0.05, f"cap {data['budget'] / GIB:g} GiB", fontsize=8)
-    for tokens, name, style, side in ((data["cat"], "cat", "-.", "right"),
-                                      (data["prealloc"], "preallocated", ":", "left")):
-        ax.axvline(tokens / 1000, color="0.3", ls=style, lw=1)
-        ax.text(tokens / 1000 + (-0.1 if side == "right" else 0.1), 6.25, name, ha=side,
-                va="bottom", fontsize=8)
-    lost = data["prealloc"] - data["cat"]
-    ax.annotate("", (data["prealloc"] / 1000, 6.9), xytext=(data["cat"] / 1000, 6.9),
-                arrowprops={"arrowstyle": "<->", "color": "0.2"})
-    ax.text(data["cat"] / 1000 - 0.3, 6.9, f"longest under the cap: cat {data['cat']:,} tokens,\n"
-            f"preallocated {data['prealloc']:,} ({lost:,} more, {lost / data['prealloc']:.1%})",
-            ha="right", va="center", fontsize=11, fontweight="bold")
-    ax.set(ylim=(6.2, top), xlim=(0, data["prealloc"] / 1000 * 1.06))
-    ax.legend(fontsize=8, loc="lower left")
-    plots.save(fig, "nb02_fragmentation", {"trace": trace, "cat": data["cat"],
-                                           "prealloc": data["prealloc"]}, label)
+    ax.axhline(cap, color="black", lw=1, label=f"the cap, {cap:g} GiB")
+    ax.axhline(before / GIB, color="0.5", lw=1, ls=":",
+               label=f"{before / GIB:.1f} GiB before the first token: weights + runtime")
+    ax.axvline(cat / 1000, color="0.3", ls="-.", lw=1,
+               label=f"longest under the cap: {short_of(pre, cat)}")
+    ax.axvline(pre / 1000, color="0.3", ls=":", lw=1, label=f"longest, prealloc: {pre:,} tokens")
+    ax.annotate(f"{gap / MIB:,.0f} MiB above allocated\nat {at:,} tokens", (at / 1000, top / GIB),
+                xytext=(0.8, 11.0), fontsize=9, arrowprops={"arrowstyle": "->", "color": "0.3"})
+    ax.set(ylim=(6.2, cap * 1.04), xlim=(0, pre / 1000 * 1.06))
+    ax.legend(fontsize=8, loc="lower right")
+    plots.save(fig, "nb02_fragmentation", {"trace": trace, "cat": cat, "prealloc": pre}, label)
     return fig
 
 
 def cat_step_figure(t: int = 6) -> Figure:
-    """One decode step of a ``cat`` cache, drawn slot by slot: allocate ``t + 1``, copy ``t``,
-    write one, free ``t``, which is too short for the next step's ``t + 2`` unless free neighbours
-    merge with it."""
-    old, new = "tab:blue", "tab:orange"
-    label = f"t = {t}: allocate {t + 1} slots, copy {t}, write 1, then free the {t}"
+    """One decode step of a ``cat`` cache, drawn slot by slot; its label says the step in words
+    (the freed block is too short for the next step unless free neighbours merge with it)."""
+    label = (f"t = {t}: allocate {t + 1} slots, copy {t}, write 1 ({2 * t + 1} slots alive at "
+             f"once), then free the {t}, too short for the next step's {t + 2}")
     fig, ax = plots.figure(f"One decode step of a cat cache: one layer's K (V is the same), "
                            f"t = {t} slots held before it", label, size=(9.5, 4.0))
-
-    def slots(x0, y, n, color, text=None, first=0, freed=False):  # n boxes, a freed block dashed
+    rows = ((5.0, f"1. before: K [1, Hkv, t={t}, D]", t, False),
+            (3.8, "2. during: the old K, alive", t, False),
+            (2.5, f"the new K [1, Hkv, t+1={t + 1}, D]", t + 1, False),
+            (0.9, "3. after: the old K is freed", t, True),
+            (-0.4, f"the cache's K: t+1 = {t + 1} slots", t + 1, False))
+    for y, text, n, freed in rows:  # n boxes, slot t (the new token) orange, a freed block dashed
+        ax.text(-0.3, y + 0.4, text, ha="right", va="center", fontsize=8)
         for i in range(n):
-            ax.add_patch(Rectangle((x0 + i, y), 0.9, 0.8, facecolor="none" if freed else color,
-                                   edgecolor="0.4" if freed else "white",
-                                   ls="--" if freed else "-"))
-            ax.text(x0 + i + 0.45, y + 0.4, str(first + i), ha="center", va="center", fontsize=7,
+            ax.add_patch(Rectangle((i, y), 0.9, 0.8, ls="--" if freed else "-",
+                                   facecolor="none" if freed else "tab:orange" if i == t
+                                   else "tab:blue", edgecolor="0.4" if freed else "white"))
+            ax.text(i + 0.45, y + 0.4, str(i), ha="center", va="center", fontsize=7,
                     color="0.4" if freed else "white")
-        if text:
-            ax.text(-0.3, y + 0.4, text, ha="right", va="center", fontsize=8)
-
-    slots(0, 5.0, t, old, f"1. before: K [1, Hkv, t={t}, D]")
-    slots(0, 3.8, t, old, "2. during: the old K, alive")
-    slots(0, 2.5, t, old, f"the new K [1, Hkv, t+1={t + 1}, D]")
-    slots(t, 2.5, 1, new, first=t)
     for i in range(t):  # the copy: every old slot read, and written again
         ax.add_artist(FancyArrowPatch((i + 0.45, 3.8), (i + 0.45, 3.3), arrowstyle="-|>",
                                       mutation_scale=8, color="0.3", lw=0.8))
-    ax.text(t + 1.4, 3.15, f"allocated: t+1 = {t + 1} slots\ncopied: the t = {t} old slots (read "
-            f"{t}, written {t})\nwritten: the new token, into slot t = {t}\nalive at once: "
-            f"{2 * t + 1} slots of this layer", fontsize=8, va="center")
-    slots(0, 0.9, t, old, "3. after: the old K is freed", freed=True)
-    slots(0, -0.4, t, old, f"the cache's K: t+1 = {t + 1} slots")
-    slots(t, -0.4, 1, new, first=t)
-    ax.text(t + 1.4, 0.9, f"the freed block of {t} slots is too short for\nthe next step, which "
-            f"asks for {t + 2}", fontsize=8, va="center")
-    ax.set(xlim=(-8, 17.5), ylim=(-0.7, 6.0))
+    ax.set(xlim=(-8, 12), ylim=(-0.7, 6.0))
     ax.axis("off")
     plots.save(fig, "nb02_cat_step", {"t": t, "allocated_slots": t + 1, "copied_slots": t,
                                       "alive_at_once": 2 * t + 1}, label)
@@ -175,17 +140,15 @@ def card_run(big, context: int, cache: str, dtype, chunk: int = 512, decode: int
     prompt = context - decode
     ids = torch.randint(0, big.config.vocab_size, (1, prompt),
                         generator=torch.Generator().manual_seed(0)).to(device)
-    kv = (CatCache.for_model(big.config, device=device, dtype=dtype) if cache == "cat"
-          else KVCache.for_model(big.config, context, device=device, dtype=dtype))
+    kv = (kvlib.CatCache.for_model(big.config, device=device, dtype=dtype) if cache == "cat"
+          else kvlib.KVCache.for_model(big.config, context, device=device, dtype=dtype))
     rows, oom, logits = [], None, None
+    pieces = [(s, ids[:, s : s + chunk]) for s in range(0, prompt, chunk)]  # prefill chunks
     try:
-        for s in range(0, prompt, chunk):
+        for pos, piece in pieces + [(pos, None) for pos in range(prompt, context)]:  # then decode
             torch.cuda.reset_peak_memory_stats(device)
-            logits = kvlib.forward(big, ids[:, s : s + chunk], kv, s)
-            rows.append({"tokens": kv.seq_len, **memory_stats(device)})
-        for pos in range(prompt, context):
-            torch.cuda.reset_peak_memory_stats(device)
-            logits = kvlib.forward(big, logits.argmax(-1, keepdim=True), kv, pos)
+            piece = logits.argmax(-1, keepdim=True) if piece is None else piece
+            logits = kvlib.forward(big, piece, kv, pos)
             rows.append({"tokens": kv.seq_len, **memory_stats(device)})
     except torch.OutOfMemoryError as e:
         oom = f"{str(e).splitlines()[0]} (after {rows[-1]['tokens'] if rows else 0:,} tokens)"
@@ -211,8 +174,7 @@ def on_this_card(device, dtype, context: int, label: str) -> None:
     rows, oom = card_run(big, context, "cat", dtype)
     big = None
     free(device)
-    worst = max(rows, key=lambda r: r["reserved"] - r["allocated"], default=None)
-    say(f"{label}: cat reached {rows[-1]['tokens'] if rows else 0:,} "
-          f"tokens ({oom or 'no OOM'}); reserved above allocated up to "
-          f"{(worst['reserved'] - worst['allocated']) / MIB if worst else 0:,.0f} MiB; allocator "
-          f"history in {path} (drag it into https://pytorch.org/memory_viz)")
+    gap = max((r["reserved"] - r["allocated"] for r in rows), default=0)
+    say(f"{label}: cat reached {rows[-1]['tokens'] if rows else 0:,} tokens ({oom or 'no OOM'}); "
+        f"reserved above allocated up to {gap / MIB:,.0f} MiB; allocator history in {path} (drag "
+        "it into https://pytorch.org/memory_viz)")

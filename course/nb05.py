@@ -1,28 +1,37 @@
-"""Notebook 05's machinery: counting kernels, reading the H200 reference, timing, one call a cell.
+"""Notebook 05's machinery: counting kernels, timing the three steps on this CPU, reading the
+H200 reference, one call a cell.
 
 The notebook keeps what it teaches (fixed addresses and shapes, the bucket arithmetic, split-KV
-attention built from its partial sums, the grid arithmetic); this module holds what counts, reads
-files, times and draws: the cache wrapper that logs attention's shapes, the kernel counter, the
-H200 reference figure and the split-KV step's prediction, the host-sync detector, and the GPU run
-of eager, static and graph decode.
+attention built from its partial sums, the grid arithmetic, the fit of bytes and kernels); this
+module holds what counts, times, reads files and draws: the cache wrapper that logs attention's
+shapes, the kernel counts, the eager, static and compiled steps timed in rounds with the fit's
+figure, the H200 reference and the split-KV step's prediction, the host-sync detector, and the GPU
+run of eager, static and graph decode.
 """
 
 import re
 import statistics
+import time
 
 import torch
 from matplotlib.figure import Figure
+from torch._inductor.utils import run_and_get_code
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvlib
+from kvlib import KVCache
 from kvlib.bandwidth import decode_bytes
-from kvlib.config import kv_bytes_per_token, load_config
-from kvlib.meter import decode_kernels
+from kvlib.config import load_config
+from kvlib.decoder import forward
+from kvlib.graphs import StaticStep
+from kvlib.meter import count_kernels, decode_kernels, fill
+from kvlib.timing import time_fn
 
 from . import plots, say
+from .rounds import disturbed, flag_label, report, rounds, shown, timed
 
-__all__ = ["HostSyncs", "ShapeLog", "gpu_decode", "h200_figure", "h200_reference",
-           "kernels_per_layer", "predict"]
+__all__ = ["HostSyncs", "STEPS", "ShapeLog", "fit_figure", "gpu_decode", "h200_reference",
+           "kernels_per_layer", "predict", "three_steps"]
 
 aten = torch.ops.aten
 H200_LABEL = "H200, allocator capped at 12 GiB"
@@ -65,44 +74,79 @@ def kernels_per_layer(name="qwen3-4b", context=8192) -> dict:
     return {"layers": layers, **counts}
 
 
+# --- this CPU: the eager, static and compiled steps -------------------------------------------
+
+STEPS = ("eager", "static", "compiled")
+LAUNCH = re.compile(r"\b(?:cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.\w+\.\w+)\(")
+
+
+def three_steps(model, label, context=512, n=5) -> dict:
+    """One decode step of ``model`` attending over ``context`` slots, three ways: eager (its own
+    modules), static (:class:`kvlib.graphs.StaticStep`, uncaptured) and compiled (that step through
+    inductor, compiled once, timed apart). Kernels: :func:`kvlib.meter.count_kernels`, and for the
+    compiled step the launches of its generated code (fused C++ loops, the matmuls left to ATen).
+    Times: ms in ``n`` interleaved rounds (:mod:`course.rounds`), one line."""
+    cache, pos = KVCache.for_model(model.config, context, dtype=model.dtype), context - 1
+    fill(cache, pos)  # t = context - 1 slots held: the step writes the last and attends over all
+    token = torch.zeros(1, 1, dtype=torch.long)
+    static, compiled = (StaticStep(model, cache, capture=False, compile=c) for c in (False, True))
+    calls = {"eager": lambda: (setattr(cache, "seq_len", pos), forward(model, token, cache, pos)),
+             "static": lambda: static(token, pos), "compiled": lambda: compiled(token, pos)}
+    start = time.perf_counter()
+    code = run_and_get_code(calls["compiled"])[1][-1]
+    compile_s = time.perf_counter() - start
+    kernels = {m: sum(count_kernels(calls[m]).values()) for m in STEPS[:2]}
+    kernels["compiled"] = len(LAUNCH.findall(code.split("def call(", 1)[1]))
+    repeats = max(1, round(0.1 / time_fn(calls["eager"], device="cpu").median_s))  # ~0.1 s
+    ms = rounds({m: timed(f, "cpu", repeats) for m, f in calls.items()}, n=n, warmup=1)
+    ms = {m: [1e3 * s for s in v] for m, v in ms.items()}
+    report(f"{label}: ms per step at {context} slots, median (min..max) of {n} rounds: "
+           + "; ".join(f"{m} {shown(ms[m], '.2f')}, {kernels[m]:,} kernels" for m in STEPS)
+           + f" (compiled in {compile_s:.0f} s)", found := disturbed(ms, ".2f"))
+    return {"kernels": kernels, "ms": ms, "compile_s": compile_s, "disturbed": found,
+            "bytes": decode_bytes(model.config, model.dtype, context)}
+
+
+def fit_figure(runs: dict, ms_per_byte: float, ms_per_kernel: float, label: str) -> Figure:
+    """Per model, each step's measured ms (median, its rounds' min..max as a bar) on the fit's two
+    terms, stacked: ``nb05_cpu_fit``, flagged if a run was disturbed."""
+    label = flag_label(label, [d for r in runs.values() for d in r["disturbed"]])
+    fig, axes = plots.figure("A decode step on this CPU: its bytes and its kernels",
+                             label, "", "ms per step", size=(10, 4.5), panels=len(runs))
+    for ax, (name, r) in zip(axes, runs.items()):
+        mid, lo, hi = zip(*((statistics.median(v), min(v), max(v)) for v in r["ms"].values()))
+        ax.bar(STEPS, r["bytes"] * ms_per_byte, 0.4, color="tab:blue", label="fit: bytes term")
+        ax.bar(STEPS, [r["kernels"][m] * ms_per_kernel for m in STEPS], 0.4, color="tab:orange",
+               bottom=r["bytes"] * ms_per_byte, label="fit: kernels term")
+        spread = [[m - a for m, a in zip(mid, lo)], [b - m for m, b in zip(mid, hi)]]
+        ax.errorbar(STEPS, mid, spread, fmt="o", color="k", label="measured: median, min..max")
+        ax.set_xticks(STEPS, [f"{m}\n{r['kernels'][m]:,} kernels" for m in STEPS])
+        ax.set_title(name, fontsize=9)
+    fig.legend(*axes[0].get_legend_handles_labels(), fontsize=8, loc="outside right upper")
+    plots.save(fig, "nb05_cpu_fit", label=label, data={"runs": runs, "ms_per_byte": ms_per_byte,
+                                                        "ms_per_kernel": ms_per_kernel})
+    return fig
+
+
 # --- the H200 reference ----------------------------------------------------------------------
 
-def _decode_line(path):
-    """``{mode: ms/token}`` of the decode line of a GPU check log."""
-    lines = path.read_text().splitlines()
-    line = next((x for x in lines if x.split()[1:2] == ["decode"]), "")
-    return {m: float(x) for m, x in re.findall(r"(\w+) ([\d.]+) ms/token", line)}
-
-
 def h200_reference():
-    """The H200 run's decode times (its check at 8K, the bench at 16K), its copy bandwidth, and
-    what they imply per slot of context; one line. None where the files are not committed."""
-    found = plots.gpu_reference("bench")
-    folder = plots.FIGURES / "h200"
-    if found is None or not (folder / "gpu_check.log").exists():
+    """The H200 run's graph step at 8K (its check) and 16K (the bench), its copy bandwidth, and the
+    line through them: ms at zero context and µs per slot; one line. None where not committed."""
+    found, log = plots.gpu_reference("bench"), plots.FIGURES / "h200" / "gpu_check.log"
+    if found is None or not log.exists():
         print("no H200 reference committed: nothing measured on a GPU to show")
         return None
-    bench, label, _ = found
-    check = _decode_line(folder / "gpu_check.log")
-    recheck = _decode_line(folder / "gpu_check_recheck.log")
-    graph = bench["cuda_graph"]
-    config = load_config("qwen3-4b")
-    bw = bench["bandwidth"]["bytes_per_s"]
-    slot = kv_bytes_per_token(config, torch.bfloat16)
-    ctx8, ctx16 = 8192, graph["context"]
-    per_slot_ms = (graph["graph_ms"] - check["graph"]) / (ctx16 - ctx8)  # a line through 2 points
-    rest = label.split(" · ", 2)[-1]  # the bench's label after the card and its cap
-    ref = {"label": f"{H200_LABEL} · reference run, figures/h200/ · {rest}", "bandwidth": bw,
-           "slot_bytes": slot, "check": check, "recheck": recheck, "bench": graph,
-           "contexts": (ctx8, ctx16), "graph_ms": (check["graph"], graph["graph_ms"]),
-           "us_per_slot": 1e3 * per_slot_ms, "floor_us_per_slot": 1e6 * slot / bw,
-           "intercept_ms": check["graph"] - per_slot_ms * ctx8,
-           "weights_ms": 1e3 * decode_bytes(config, torch.bfloat16, 0) / bw}
-    say(f"{H200_LABEL}: Qwen3-4B bf16 graph step {check['graph']:.2f} ms at {ctx8:,} slots "
-          f"and {graph['graph_ms']:.2f} ms at {ctx16:,}: {ref['us_per_slot']:.2f} µs "
-          f"per slot of context; reading one slot's {slot:,} B at the measured "
-          f"{bw / 1e12:.2f} TB/s takes {ref['floor_us_per_slot']:.3f} µs, "
-          f"{ref['us_per_slot'] / ref['floor_us_per_slot']:.0f}x less")
+    bench, config = found[0], load_config("qwen3-4b")
+    line = next(x for x in log.read_text().splitlines() if x.split()[1:2] == ["decode"])
+    (c8, c16), bw = (8192, 16384), bench["bandwidth"]["bytes_per_s"]
+    ms = {c8: float(re.search(r"graph ([\d.]+) ms", line)[1]), c16: bench["cuda_graph"]["graph_ms"]}
+    slope = (ms[c16] - ms[c8]) / (c16 - c8)  # ms per slot: a line through the two
+    ref = {"bandwidth": bw, "us_per_slot": 1e3 * slope, "intercept_ms": ms[c8] - slope * c8,
+           "graph_ms": ms, "weights_ms": 1e3 * decode_bytes(config, torch.bfloat16, 0) / bw}
+    say(f"{H200_LABEL} (reference run, figures/h200/): Qwen3-4B bf16 graph step {ms[c8]:.2f} ms "
+        f"at {c8:,} slots, {ms[c16]:.2f} ms at {c16:,}: {ref['us_per_slot']:.2f} µs per slot; "
+        f"its copy bandwidth {bw / 1e12:.2f} TB/s")
     return ref
 
 
@@ -114,48 +158,6 @@ def predict(ref, kernels_now, kernels_after, contexts=(8192, 16384)) -> dict:
     config = load_config("qwen3-4b")
     return {c: 1e3 * decode_bytes(config, torch.bfloat16, c) / ref["bandwidth"]
             + kernels_after * per_kernel_ms for c in contexts}
-
-
-def h200_figure(ref) -> Figure:
-    """The H200's graph and eager steps against the bytes' floor, by context, with the split-KV
-    step's PREDICTION (:func:`predict`, kernels counted on ``meta``); ``nb05_h200_gap``."""
-    config = load_config("qwen3-4b")
-    xs = list(range(0, 16385, 512))
-    floor = [1e3 * decode_bytes(config, torch.bfloat16, x) / ref["bandwidth"] for x in xs]
-    title = ref["label"].replace("expandable segments off · ", "")
-    fig, ax = plots.figure("Qwen3-4B decode on the H200: the graph step far above the bytes' floor",
-                           title, "context (slots attended)", "ms per token", size=(9, 6))
-    ax.plot(xs, floor, color="0.3", ls="--",
-            label=f"bytes floor: weights + KV at the measured bandwidth, "
-                  f"+{ref['floor_us_per_slot']:.3f} µs per slot")
-    c8, c16 = ref["contexts"]
-    for lo, hi, ls, what in ((0, c8, ":", "extrapolated from 2 contexts"),
-                             (c8, c16, "-", "through its points")):
-        x = [lo, hi]
-        ax.plot(x, [ref["intercept_ms"] + 1e-3 * ref["us_per_slot"] * v for v in x],
-                color="tab:blue", lw=1, ls=ls,
-                label=f"graph line, {what}: +{ref['us_per_slot']:.2f} µs per slot")
-    runs = "measured (2 runs at 8K, 1 at 16K)"
-    points = {f"graph step of that run (masked SDPA, memory-efficient kernel), {runs}":
-              ([c8, c8, c16], [ref["check"]["graph"], ref["recheck"]["graph"],
-                               ref["bench"]["graph_ms"]], "tab:blue"),
-              f"eager step, {runs}":
-              ([c8, c8, c16], [ref["check"]["eager"], ref["recheck"]["eager"],
-                               ref["bench"]["eager_ms"]], "tab:red")}
-    for name, (x, y, color) in points.items():
-        ax.plot(x, y, "o", color=color, label=name)
-    now, after = (sum(decode_kernels("qwen3-4b", s, context=c8).values())
-                  for s in ("eager", "static"))
-    guess = predict(ref, now, after, ref["contexts"])
-    ax.plot(list(guess), list(guess.values()), "o", mfc="none", color="tab:green",
-            label=f"PREDICTION: kvlib's split-KV graph step ({after:,} kernels), "
-                  "estimated (section 6)")
-    ax.set_ylim(bottom=0)
-    fig.legend(fontsize=8, loc="outside lower center", ncols=1, frameon=False)
-    plots.save(fig, "nb05_h200_gap", label=title,
-               data={**{k: v for k, v in ref.items() if k != "label"},
-                     "prediction_ms": {str(c): v for c, v in guess.items()}})
-    return fig
 
 
 # --- host syncs ------------------------------------------------------------------------------
@@ -199,27 +201,29 @@ class HostSyncs(TorchDispatchMode):
 
 def gpu_decode(device, contexts=(2048, 8192), steps=32, bucket=256):
     """On CUDA: Qwen3-4B (random weights) in the card's dtype, ms/token of eager, static and
-    graph decode at each context, one line each. Elsewhere, one line saying so."""
+    graph decode at each context in 3 rounds, one line each. Elsewhere, one line saying so."""
     if device.type != "cuda":
         say(f"no GPU here ({device.type}): the eager, static and graph steps of Qwen3-4B are "
-              f"timed when this notebook runs on one")
+            f"timed when this notebook runs on one")
         return None
     dtype = kvlib.auto_dtype(device)
     label = kvlib.label(device, dtype, kvlib.memory.cap_memory(12, device))
     model, _ = kvlib.load_model("random:qwen3-4b", device=device, dtype=dtype)
-    cache = kvlib.KVCache.for_model(model.config, max(contexts) + steps + 1, device=device,
-                                    dtype=dtype)
+    cache = KVCache.for_model(model.config, max(contexts) + steps + 1, device=device, dtype=dtype)
     prompt = (torch.arange(max(contexts), device=device) * 7919 % model.config.vocab_size)
     prompt, filled, times = prompt.view(1, -1), 0, {}
     for c in contexts:
         for s in range(filled, c - 1, 512):  # prefill once; every mode continues from c - 1
-            kvlib.forward(model, prompt[:, s:min(s + 512, c - 1)], cache, s)
+            forward(model, prompt[:, s:min(s + 512, c - 1)], cache, s)
         filled = c - 1
-        for mode in ("eager", "static", "graph"):
+
+        def decode(mode, c=c):
             cache.seq_len = c - 1
-            out = kvlib.generate(model, prompt[:, c - 1:c], steps + 1, cache=cache,
-                                 eos_token_id=None, step=mode, bucket=bucket, timed=True)
-            times[c, mode] = 1e3 * statistics.median(out.step_s)
-        say(f"{label} · Qwen3-4B at {c:,}: " + ", ".join(
-            f"{m} {times[c, m]:.2f}" for m in ("eager", "static", "graph")) + " ms/token")
+            return 1e3 * statistics.median(kvlib.generate(
+                model, prompt[:, c - 1:c], steps + 1, cache=cache, eos_token_id=None, step=mode,
+                bucket=bucket, timed=True).step_s)
+        ms = rounds({m: lambda m=m: decode(m) for m in ("eager", "static", "graph")}, warmup=1)
+        times.update({(c, m): statistics.median(v) for m, v in ms.items()})
+        report(f"{label} · Qwen3-4B at {c:,}, ms/token, median (min..max) of 3 rounds: "
+               + ", ".join(f"{m} {shown(v, '.2f')}" for m, v in ms.items()), disturbed(ms, ".2f"))
     return times

@@ -35,18 +35,13 @@ def card_dtype(card) -> torch.dtype:
 def cards_table(config, window: int) -> dict:
     """Per card of the table (the course's "12 GiB" budget is the RTX 3060 row): each cache's
     longest context by the plan, capped at the window, and the floor of a step there, in ms."""
-    table = {}
-    for name, card in CARDS.items():
-        if name == "12 GiB":
-            continue
+    def row(card, cache):
         dtype = card_dtype(card)
-        row = {}
-        for cache in CACHES:
-            context = min(plan_budget(config, dtype, card.memory, cache=cache).max_context, window)
-            row[cache] = {"context": context,
-                          "ms": card.predicted_ms_per_token(config, dtype, context, cache)}
-        table[name] = row
-    return table
+        n = min(plan_budget(config, dtype, card.memory, cache=cache).max_context, window)
+        return {"context": n, "ms": card.predicted_ms_per_token(config, dtype, n, cache)}
+
+    return {name: {cache: row(card, cache) for cache in CACHES} for name, card in CARDS.items()
+            if name != "12 GiB"}
 
 
 def cards_figure(table: dict, window: int, label: str) -> Figure:
@@ -54,27 +49,22 @@ def cards_figure(table: dict, window: int, label: str) -> Figure:
     capped at the model's window) and its tokens/s ceiling there. ``table``: ``cards_table``."""
     fig, (left, right) = plots.figure("Qwen3-4B on each card: how long a conversation, how fast "
                                       "at most", label, size=(9.0, 4.2), panels=2, sharey=True)
-    names = list(table)
-    for j, cache in enumerate(CACHES):
-        ys = [i + (j - 0.5) * 0.4 for i in range(len(names))]
-        contexts = [row[cache]["context"] for row in table.values()]
-        bars = left.barh(ys, contexts, height=0.38, color=plots.CACHE_COLORS[cache])
-        left.bar_label(bars, [f"{c:,}" for c in contexts], padding=2, fontsize=9)
-    left.set_yticks(range(len(names)), names)
+    rows = range(len(table))
+    for ax, shown in ((left, lambda r: r["context"]), (right, lambda r: 1e3 / r["ms"])):
+        for j, cache in enumerate(CACHES):  # prealloc above cat in each card's row
+            values = [shown(row[cache]) for row in table.values()]
+            bars = ax.barh([i + (j - 0.5) * 0.4 for i in rows], values, height=0.38,
+                           color=plots.CACHE_COLORS[cache], label=cache)
+            ax.bar_label(bars, [f"{v:,.0f}" for v in values], padding=2, fontsize=9)
+        ax.grid(False, axis="y")
+    left.set_yticks(rows, list(table))
+    left.invert_yaxis()
     left.axvline(window, color="0.3", ls="--", lw=1)
     left.text(window, 1.0, f"the model's window, {window:,}", transform=left.get_xaxis_transform(),
               ha="center", va="bottom", fontsize=8, color="0.3")  # on its line, in its panel
     left.set(xlabel="longest context (tokens)", xlim=(0, 1.3 * window))
-    for j, cache in enumerate(CACHES):
-        ys = [i + (j - 0.5) * 0.4 for i in range(len(names))]
-        bars = right.barh(ys, [1e3 / row[cache]["ms"] for row in table.values()], height=0.38,
-                          color=plots.CACHE_COLORS[cache], label=cache)
-        right.bar_label(bars, fmt="%.0f", padding=2, fontsize=9)
     right.set(xlabel="tokens/s at most there (bandwidth floor)")
     right.margins(x=0.12)
-    left.invert_yaxis()
-    for ax in (left, right):
-        ax.grid(False, axis="y")
     right.legend(fontsize=9, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False)
     return fig
 
@@ -92,12 +82,6 @@ def live_at_peak(config, tokens: int, cache: str, card: str = "12 GiB") -> str:
     parts = ", ".join(f"{region} {nbytes / 2**20:,.0f}" for region, nbytes in run.at_peak.items()
                       if nbytes >= 2**20)
     return f"{cache} at {tokens:,} tokens: peak {run.peak / GIB:.2f} GiB; live then, MiB: {parts}"
-
-
-def window_fits(config, card: str, window: int, attention: str = "auto") -> bool:
-    """Whether the model's whole window runs on the simulated ``card``."""
-    return simulate(meta_model(config, card_dtype(CARDS[card])), window, card=card, tail=True,
-                    attention=attention).fits
 
 
 def reference_line(data: dict, label: str) -> str:
@@ -146,11 +130,6 @@ def calculator_lines(model="qwen3-4b", dtype="bfloat16", batch=1, context=8192, 
                              "that far"))
     label = f"PREDICTION from the {model} config (arithmetic) · {dtype} · batch {batch}{layout}"
     return lines, b, label
-
-
-def calculator_text(*args, **kwargs) -> None:
-    """The calculator's answer as text only, without the bar: ``calculator_lines``'s arguments."""
-    print("\n".join(calculator_lines(*args, **kwargs)[0]))
 
 
 def calculator(model="qwen3-4b", dtype="bfloat16", batch=1, context=8192, budget_gib=12.0, block=1,

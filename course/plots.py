@@ -10,19 +10,20 @@ must say where it came from.
 import dataclasses
 import json
 import os
+import statistics
 import textwrap
 from collections.abc import Sequence
-from itertools import accumulate
 from pathlib import Path
 
 import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.text import Text
 
 from kvlib.budget import Budget
 from kvlib.config import GIB, MIB
 
-__all__ = ["FIGURES", "against_floor", "budget_bar", "bytes_per_step", "cumulative_bytes",
+__all__ = ["CACHE_COLORS", "FIGURES", "against_floor", "bars", "budget_bar", "bytes_per_step",
            "figure", "gpu_reference", "load", "memory_vs_tokens", "save", "time_per_step"]
 
 # The repo's figures/, found from the package, so notebooks/ and the repo root agree.
@@ -30,6 +31,9 @@ FIGURES = Path(__file__).resolve().parent.parent / "figures"
 REGENERATE = "python -m course.bench --out figures"
 # Where committed GPU runs sit: the bench's own --out, then the GPU check's (./course.sh gpu-check).
 GPU_FOLDERS = (FIGURES, FIGURES / "h200")
+# One colour per cache in every figure: the preallocated cache green, the copying cat red.
+CACHE_COLORS = {"prealloc": "tab:green", "cat": "tab:red", "hf_dynamic": "tab:purple",
+                "hf_static": "tab:brown"}
 
 
 def figure(title: str, label: str | None = None, xlabel: str = "", ylabel: str = "",
@@ -89,47 +93,30 @@ def memory_vs_tokens(rows_by_name: dict[str, dict[str, list]], label: str,
     return _finish(fig, ax)
 
 
-# One colour per cache in every figure: the preallocated cache green, the copying cat red.
-CACHE_COLORS = {"prealloc": "tab:green", "cat": "tab:red", "hf_dynamic": "tab:purple",
-                "hf_static": "tab:brown"}
+def _per_context(title: str, label: str, xlabel: str, ylabel: str, series: dict,
+                 scale: float = 1.0) -> Figure:
+    """One line per series, ``(xs, ys)`` or ``(xs, ys, (low, high))``: the spread of the rounds,
+    drawn as a band, so a difference smaller than the noise looks like one."""
+    fig, ax = figure(title, label, xlabel, ylabel)
+    for name, (xs, ys, *spread) in series.items():
+        (line,) = ax.plot(xs, [y / scale for y in ys], "o-" if len(xs) < 20 else "-", ms=4,
+                          label=name, color=CACHE_COLORS.get(name))
+        if spread:
+            ax.fill_between(xs, *spread[0], color=line.get_color(), alpha=0.2, lw=0)
+    return _finish(fig, ax)
 
 
 def time_per_step(series: dict[str, tuple], label: str, xlabel: str = "context (tokens)") -> Figure:
-    """Milliseconds per decode step against the context it attends over, one line per series.
-
-    A series is ``(tokens, ms)`` or ``(tokens, ms, (low, high))``: the spread of the repeats, drawn
-    as a band, so a difference smaller than the noise looks like one.
-    """
-    fig, ax = figure("Time per decode step", label, xlabel, "ms / step")
-    for name, (tokens, ms, *spread) in series.items():
-        (line,) = ax.plot(tokens, ms, "o-" if len(tokens) < 20 else "-", ms=4, label=name,
-                          color=CACHE_COLORS.get(name))
-        if spread:
-            ax.fill_between(tokens, *spread[0], color=line.get_color(), alpha=0.2, lw=0)
-    return _finish(fig, ax)
-
-
-def cumulative_bytes(series: dict[str, tuple[Sequence, Sequence]], label: str) -> Figure:
-    """Running total of bytes allocated or copied (GiB) against tokens.
-
-    A ``cat`` cache copies the whole cache every step, so its total grows as the square of the
-    tokens; a
-    preallocated cache stays at zero.
-    """
-    fig, ax = figure("Bytes allocated or copied, summed over steps", label, "tokens",
-                      "cumulative GiB")
-    for name, (tokens, per_step) in series.items():
-        ax.plot(tokens, [b / GIB for b in accumulate(per_step)], label=name)
-    return _finish(fig, ax)
+    """Milliseconds per decode step against the context it attends over: ``(tokens, ms)`` or
+    ``(tokens, ms, (low, high))`` a series."""
+    return _per_context("Time per decode step", label, xlabel, "ms / step", series)
 
 
 def bytes_per_step(series: dict[str, tuple[Sequence, Sequence]], label: str) -> Figure:
     """Bytes one decode step allocates for the cache, against the context it runs at."""
     scale, unit = _unit(max((max(b, default=0) for _, b in series.values()), default=0))
-    fig, ax = figure("Cache bytes allocated per decode step", label, "context (tokens)", unit)
-    for name, (tokens, per_step) in series.items():
-        ax.plot(tokens, [b / scale for b in per_step], "o-", label=name)
-    return _finish(fig, ax)
+    return _per_context("Cache bytes allocated per decode step", label, "context (tokens)", unit,
+                        series, scale)
 
 
 _PARTS = (("weights", "weights", "tab:blue"), ("kv", "KV cache", "tab:orange"),
@@ -150,11 +137,11 @@ def budget_bar(budget: Budget | list[tuple[str, Budget]], context: int, label: s
     fig, ax = figure(f"Memory budget at {context:,} tokens", label, "GiB", "",
                       size=(7.0, 1.4 + 0.6 * len(named)))
     ax.set_axisbelow(True)
-    widest, numbers, notes = 0.0, [], []
+    widest, numbers, notes, most = 0.0, [], [], {}
     for y, (_, b) in enumerate(named):
         parts, left = b.breakdown(context), 0.0
         for part, name, color in _PARTS:
-            width = max(parts[part], 0) / GIB
+            width, most[name] = max(parts[part], 0) / GIB, max(most.get(name, 0), parts[part])
             (bar,) = ax.barh(y, width, left=left, color=color, edgecolor="white", label=name)
             if width > 0:
                 text = ax.text(left + width / 2, y, f"{width:.2f}", ha="center", va="center",
@@ -168,15 +155,11 @@ def budget_bar(budget: Budget | list[tuple[str, Budget]], context: int, label: s
         widest = max(widest, left, b.budget / GIB)
     ax.set_yticks(range(len(named)), [n for n, _ in named])
     ax.set_xlim(0, 1.05 * widest)
+    up_to = "up to " * (len(named) > 1)
+    thin = {name: f"{name} ({up_to}{most[name] / MIB:.0f} MiB, too thin to see)"  # under 0.5%
+            for name in ("KV cache", "workspace") if 0 < most[name] / GIB < widest / 200}
     handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles))  # one entry per part, however many bars
-    thin = {}  # KV and workspace under half a per cent of the axis: their entries say so
-    for part, name, _ in _PARTS[1:3]:
-        most = max(b.breakdown(context)[part] for _, b in named)
-        if 0 < most / GIB < widest / 200:
-            up_to = "up to " * (len(named) > 1)
-            thin[name] = f"{name} ({up_to}{most / MIB:.0f} MiB, too thin to see)"
-    unique = {thin.get(k, k): h for k, h in unique.items()}
+    unique = {thin.get(k, k): h for k, h in zip(labels, handles)}  # one entry per part
     fig.legend(unique.values(), unique.keys(), fontsize=8, loc="outside lower center",
                ncols=len(unique) if len(thin) < 2 else 3)  # two long entries: two rows
     _fit_bar_texts(fig, ax, numbers, notes)
@@ -186,11 +169,7 @@ def budget_bar(budget: Budget | list[tuple[str, Budget]], context: int, label: s
 def _fit_bar_texts(fig: Figure, ax, numbers: list, notes: list) -> None:
     """Widen the axis until every "over by" note ends inside it, then drop each segment number
     that does not fit inside its segment as drawn: both are measured on the laid-out figure."""
-    renderer = fig.canvas.get_renderer() if hasattr(fig.canvas, "get_renderer") else None
-    if renderer is None:  # a bare Figure has no renderer until a canvas is attached
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-        renderer = FigureCanvasAgg(fig).get_renderer()
+    renderer = FigureCanvasAgg(fig).get_renderer()  # a bare Figure has none until it has a canvas
     for _ in range(3):  # the layout moves the axes a little each time the limits change
         fig.draw_without_rendering()
         right = ax.get_window_extent(renderer).x1
@@ -217,6 +196,24 @@ def against_floor(contexts: Sequence[int], measured_ms: Sequence[float], floor_m
         ax.annotate(f"{f / m:.0%}", (x, m), textcoords="offset points", xytext=(0, 6), ha="center",
                     fontsize=8)
     return _finish(fig, ax, title="MBU = floor / measured", title_fontsize=8)
+
+
+def bars(ax, groups: list[str], series: dict[str, list[list[float]]]) -> None:
+    """Median bars with min..max whiskers of each group's rounds, one colour a series, the groups
+    side by side. Each tick label's lines are wrapped to its group's share of the axis width
+    (about 12 characters an inch at 8 points) and the legend sits outside, right of the axis, so
+    neither a label nor the legend can run into its neighbour or cover a bar."""
+    width = 0.8 / len(series)
+    for i, (name, samples) in enumerate(series.items()):
+        mid = [statistics.median(s) for s in samples]
+        ax.bar([g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))], mid, width,
+               label=name, capsize=3, yerr=[[m - min(s) for m, s in zip(mid, samples)],
+                                            [max(s) - m for m, s in zip(mid, samples)]])
+    room = max(6, int(12 * ax.figure.get_figwidth() * ax.get_position().width / len(groups)))
+    ax.set_xticks(range(len(groups)), ["\n".join(textwrap.fill(line, room) for line in
+                                                 g.split("\n")) for g in groups], fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1), frameon=False)
+    ax.grid(False, axis="x")
 
 
 def _jsonable(obj):

@@ -25,13 +25,12 @@ def _text(value):
 
 
 def _output_text(output):
-    if output.get("output_type") == "stream":
-        return _text(output.get("text", ""))
-    if output.get("output_type") == "error":
+    kind = output.get("output_type")
+    if kind == "error":
         return "\n".join(output.get("traceback", []))
-    if output.get("output_type") == "execute_result":
-        return _text(output.get("data", {}).get("text/plain", ""))
-    return ""  # a figure's "<Figure size ...>" is not read
+    if kind not in ("stream", "execute_result"):
+        return ""  # a figure's "<Figure size ...>" is not read
+    return _text(output.get("text", "") or output.get("data", {}).get("text/plain", ""))
 
 
 def load(path):

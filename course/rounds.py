@@ -1,9 +1,10 @@
-"""Timing in rounds, for every measurement of the course, and the one rule for a disturbed run.
+"""Timing in rounds, for every measurement of the course and the bench, and the one rule for a
+disturbed run.
 
 The cases to compare take turns: each round runs every case once, in an order rotated by one from
 the round before, so a slow spell of a shared machine lands on all of them alike. A case is then
 read by the median of its rounds, with their spread (min..max) beside it: two cases differ only
-where their spreads do not overlap.
+where their spreads do not overlap (:func:`compare`).
 
 The same work on the same machine takes the same time; only other programs add to it. So a case
 whose slowest round took more than ``SPREAD`` (1.5) times its fastest was slowed by something
@@ -20,8 +21,8 @@ from kvlib.timing import time_fn
 
 from . import say
 
-__all__ = ["FLAG", "SPREAD", "disturbed", "flag_label", "flag_line", "report", "rounds", "shown",
-           "timed"]
+__all__ = ["FLAG", "SPREAD", "compare", "disturbed", "flag_label", "flag_line", "report",
+           "rounds", "shown", "timed"]
 
 SPREAD = 1.5  # slowest round over fastest beyond which other work took the time
 FLAG = "disturbed run: not evidence"
@@ -53,7 +54,14 @@ def timed(fn: Callable, device, repeats: int = 1, warmup: int = 0) -> Callable[[
 
 def shown(values, fmt: str = ".1f") -> str:
     """``median (min..max)`` of one case's rounds."""
-    return (f"{statistics.median(values):{fmt}} ({min(values):{fmt}}..{max(values):{fmt}})")
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}..{max(values):{fmt}})"
+
+
+def compare(ours: tuple, theirs: tuple) -> str:
+    """How a time whose rounds span ``ours`` (min, max) stands to one spanning ``theirs``."""
+    if ours[1] < theirs[0]:
+        return "faster than"
+    return "slower than" if ours[0] > theirs[1] else "within the spread of"
 
 
 def disturbed(samples: dict, fmt: str = ".1f") -> list[str]:

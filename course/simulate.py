@@ -5,7 +5,7 @@ would pass the budget raises an OOM. On ``meta`` SDPA always takes the math path
 
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 import torch
@@ -15,7 +15,7 @@ from kvlib.budget import meta_model
 from kvlib.cards import Card, Kernels
 from kvlib.cards import card as get_card
 from kvlib.cat_cache import CatCache
-from kvlib.config import GIB, MIB, kv_bytes_per_token, size
+from kvlib.config import kv_bytes_per_token, size
 from kvlib.decoder import check_supported, forward
 from kvlib.kv_cache import KVCache
 from kvlib.memory import largest
@@ -102,7 +102,7 @@ class Ledger(TorchDispatchMode):
     def push(self, region: str) -> None:  # for module hooks, which cannot hold a ``with``
         self._regions.append(region)
 
-    def pop(self) -> None:
+    def pop(self) -> None:  # None: a forward hook's result would replace the module's output
         self._regions.pop()
 
     @contextmanager
@@ -135,21 +135,16 @@ class Run:
     budget: int
     peak: int
     at_peak: dict[str, int]
-    timeline: dict[str, list[int]]
+    timeline: dict[str, list[int]] = field(repr=False)  # a list a step: too long to print
     kernels: dict[str, int]
     oom: torch.OutOfMemoryError | None = None
 
     fits = property(lambda self: self.oom is None)
 
-    def __repr__(self) -> str:
-        parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.at_peak.items() if v >= MIB)
-        return (f"Run({self.cache}, {self.context:,} tokens ({self.prompt:,} prefilled): peak "
-                f"{self.peak / GIB:.3f} GiB of {self.budget / GIB:.2f} ({parts}), kernels "
-                f"{self.kernels}{'' if self.fits else ', OOM'})")
 
-
-CACHES = {"prealloc": lambda config, n, **kw: KVCache.for_model(config, n, **kw),
-          "cat": lambda config, n, **kw: CatCache.for_model(config, **kw)}
+# kvlib's caches by name, each ``make(config, slots, device=, dtype=)``, as any factory passed in
+MAKE = {"prealloc": lambda config, n, **kw: KVCache.for_model(config, n, **kw),
+        "cat": lambda config, n, **kw: CatCache.for_model(config, **kw)}
 
 
 @torch.no_grad()
@@ -162,7 +157,7 @@ def simulate(model, context: int, *, cache="prealloc", card: Card | str = "12 Gi
     dtype=)`` returning any cache. ``card`` gives the budget and the sm that picks the kernels.
     ``tail`` runs only the last two chunks and decode steps, from the state before them: the same
     peak, since earlier steps hold less, in a fraction of the time."""
-    if attention not in ("auto", "fused", "math") or not callable(CACHES.get(cache, cache)):
+    if attention not in ("auto", "fused", "math") or not callable(MAKE.get(cache, cache)):
         raise ValueError(f"attention must be auto/fused/math and cache prealloc/cat or a function "
                          f"making one, not {attention!r}, {cache!r}")
     if not 0 < decode < context:
@@ -195,8 +190,8 @@ def simulate(model, context: int, *, cache="prealloc", card: Card | str = "12 Gi
         with ledger, kernels:
             ids = torch.zeros(batch, prompt, dtype=torch.long, device=meta)
             with ledger.region("cache"):
-                kvs = [MeteredCache(CACHES.get(cache, cache)(config, context, device=meta,
-                                                             dtype=dtype), ledger)
+                make = MAKE.get(cache, cache)
+                kvs = [MeteredCache(make(config, context, device=meta, dtype=dtype), ledger)
                        for _ in range(batch)]
             skip(chunks[0])
             for s in chunks:  # lists, as the loop calls it: the ids of a batch are packed

@@ -3,7 +3,7 @@
 A maintainer's tool, not course code. It prints one ``PASS`` / ``FAIL`` / ``SKIP`` line per check,
 then the card, the driver and the versions, and writes ``OUTDIR/gpu_check.json`` with every number
 and error, the PNGs beside it, the memory snapshot and the bench's reference figures in
-``OUTDIR/bench``; ``python -m course.references OUTDIR`` makes them the committed references.
+``OUTDIR/bench``; ``python tests/references.py OUTDIR`` makes them the committed references.
 Every check is guarded: one that fails, or runs out of memory, is reported and the rest still run.
 The checks run most valuable first, each started only if its predicted time (on the H200) fits
 what is left of the 6-minute budget; those past it run if time remains, or are skipped and say so.
@@ -43,9 +43,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's kvlib, wherever the script is run from
 
+from gpu_memory import MemoryTrace, longest_context  # noqa: E402 (tests/, beside this script)
+
 import kvlib  # noqa: E402
-from course import bench, plots  # noqa: E402
-from course.memory_trace import MemoryTrace, memory_snapshot  # noqa: E402
+from course import plots  # noqa: E402
+from course.memory_trace import memory_snapshot  # noqa: E402
 from kvlib.bandwidth import decode_bytes, mbu, measure_bandwidth  # noqa: E402
 from kvlib.budget import plan_budget  # noqa: E402
 from kvlib.config import GIB, MIB, kv_bytes_per_token, load_config  # noqa: E402
@@ -543,7 +545,7 @@ def longest(ctx):
     if ctx.rehearsal:  # a fake card never runs out: bisect over a few thousand tokens, not 1M
         held = sum(t.nbytes for t in (*ctx.model.parameters(), *ctx.model.buffers()))
         budget = held + 2048 * kv_bytes_per_token(ctx.model.config, ctx.model.dtype)
-    res = bench.longest_context(ctx.model, budget, CHUNK)
+    res = longest_context(ctx.model, budget, CHUNK)
     rows = {k: [r[k] for r in res["cat_trace"]] for k in ("tokens", "allocated", "reserved")}
     fig = plots.memory_vs_tokens({"cat (grown per chunk)": rows}, ctx.where, budget_bytes=budget)
     ctx.save(fig, "gpu_longest", res)

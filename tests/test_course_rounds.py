@@ -46,7 +46,8 @@ def test_wrapped_lines_fit_the_width_and_break_no_word_or_number():
 
 
 def test_decode_rate_never_divides_by_a_near_zero_time():
-    # a loaded machine: one first token took longer than a whole request
-    rates = decode_rates([0.50, 0.52, 0.60], first_s=[0.10, 0.11, 0.55], tokens=17)
-    assert rates == [16 / (0.50 - 0.11), 16 / (0.52 - 0.11), 16 / (0.60 - 0.11)]
+    # a loaded machine: two of three first tokens took nearly as long as a whole request, so a
+    # median first token would leave 0.01 s of decode (1,600 tokens/s); the fastest leaves 0.40 s
+    rates = decode_rates([0.50, 0.52, 0.60], first_s=[0.10, 0.49, 0.55], tokens=17)
+    assert rates == [16 / (0.50 - 0.10), 16 / (0.52 - 0.10), 16 / (0.60 - 0.10)]
     assert decode_rates([0.1, 0.1], [0.2, 0.2, 0.2], 17) == [0.0]  # no decode time to read

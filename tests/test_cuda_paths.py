@@ -15,9 +15,11 @@ Run on a real GPU too (the GPU check does): then it checks kvlib against that ma
 import contextlib
 import pickle
 
+import gpu_memory
 import pytest
 import torch
 from fake_card import GIB, MIB, SYNCS, FakeDriver, _fresh, forget_side_streams
+from gpu_memory import MemoryTrace, longest_context
 from helpers import SHARED, tiny_model
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -28,7 +30,7 @@ from transformers.models.llama import modeling_llama  # noqa: F401
 from transformers.models.qwen3 import modeling_qwen3  # noqa: F401
 
 import kvlib
-from course import bench, memory_trace
+from course import memory_trace
 from kvlib import env, graphs, loop, memory, timing
 from kvlib.kv_cache import KVCache
 
@@ -89,7 +91,7 @@ def test_auto_dtype_by_capability(driver, capability, dtype):
 # --- memory: stats, timeline, budget, snapshot ------------------------------------------------
 def test_memory_stats_and_trace(driver):
     driver.allocated, driver.cached = 3 * GIB, GIB
-    trace = memory_trace.MemoryTrace("cuda")
+    trace = MemoryTrace("cuda")
     assert trace.device == CUDA1
     row = trace.record(10)
     assert row == {"tokens": 10, "allocated": 3 * GIB, "reserved": 4 * GIB,
@@ -276,17 +278,17 @@ class _Cap(TorchDispatchMode):
 
 def test_longest_context_finds_the_limit_of_each_cache(monkeypatch):
     model = tiny_model("qwen3")
-    runs = bench._runs
+    runs = gpu_memory._runs
 
     def capped(model, kind, n, chunk):
         with _Cap(1_000_000):
             return runs(model, kind, n, chunk)
 
-    monkeypatch.setattr(bench, "_runs", capped)
-    monkeypatch.setattr(bench, "free", lambda device: None)  # no cache to empty; gc.collect is slow
+    monkeypatch.setattr(gpu_memory, "_runs", capped)
+    monkeypatch.setattr(gpu_memory, "free", lambda device: None)  # no cache to empty: gc is slow
     held = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
     per_token = 2 * 3 * 2 * 16 * 4
-    out = bench.longest_context(model, held + 2000 * per_token, chunk=16)
+    out = longest_context(model, held + 2000 * per_token, chunk=16)
     assert out["budget"] == held + 2000 * per_token and out["chunk"] == 16
     for kind in ("prealloc", "cat"):
         limit, tries = out[kind], out["tries"][kind]
@@ -297,7 +299,7 @@ def test_longest_context_finds_the_limit_of_each_cache(monkeypatch):
         assert not capped(model, kind, limit + 1, 16)["fits"]
     assert out["cat"] < out["prealloc"]  # every regrowth is a new allocation
     assert out["cat_trace"][-1]["tokens"] == out["cat"] - 1 - 16  # zeros up to the last chunk
-    assert bench.longest_context(model, held, chunk=16)["prealloc"] == 0  # nothing left
+    assert longest_context(model, held, chunk=16)["prealloc"] == 0  # nothing left
 
 
 # --- on a real card (the GPU check runs these; skipped elsewhere) -------------------------------

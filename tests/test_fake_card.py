@@ -9,6 +9,7 @@ import functools
 import json
 
 import pytest
+import references
 import torch
 from fake_card import CARDS, Peak, fake_card, fake_model
 from helpers import TINY, tiny_model
@@ -19,7 +20,6 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 from transformers.models.qwen3 import modeling_qwen3  # noqa: F401
 
 import kvlib
-from course import references
 from kvlib import decoder, graphs
 from kvlib.attention import MODES
 from kvlib.budget import graph_pool_bytes, plan_budget
@@ -247,7 +247,7 @@ def test_decode_speed_keeps_every_variant_when_one_fails(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", ALL)
 def test_gpu_check_rehearses_every_check(name, tmp_path):
     """Every in-process check walks to its end on the fake card (its numbers are no card's), the
-    JSON is written, and ``course.references`` rewrites a references folder from it, never
+    JSON is written, and ``tests/references.py`` rewrites a references folder from it, never
     ``figures/h200``."""
     check = _gpu_check()
     assert check.main(["--rehearse", name, str(tmp_path / "out")]) == 0  # 1: a check raised

@@ -1,5 +1,6 @@
 """The committed GPU references, rewritten from a GPU check's output:
-``python -m course.references OUTDIR [--to FOLDER] [--recheck]``.
+``python tests/references.py OUTDIR [--to FOLDER] [--recheck]``, a maintainer's tool
+beside the GPU check.
 
 What the notebooks read from ``figures/h200/``: the figures the check saves (``gpu_longest``,
 ``gpu_timeline``, ``gpu_graph_memory``, each a JSON with its label and a PNG), the bench's
@@ -17,7 +18,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from .plots import FIGURES
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's course/
+
+from course.plots import FIGURES  # noqa: E402
 
 __all__ = ["build"]
 
@@ -57,7 +60,7 @@ def build(out: Path, to: Path = DEFAULT, recheck: bool = False) -> dict[str, lis
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m course.references", description=__doc__)
+    p = argparse.ArgumentParser(prog="python tests/references.py", description=__doc__)
     p.add_argument("outdir", type=Path, help="the GPU check's output (default build/gpu-check)")
     p.add_argument("--to", type=Path, default=DEFAULT, help=f"default: {DEFAULT}")
     p.add_argument("--recheck", action="store_true", help="a second run: gpu_check_recheck.log")
