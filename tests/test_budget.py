@@ -215,10 +215,10 @@ def test_plan_budget_rejects_nonsense_with_numbers():
 
 def test_a_block_reserves_whole_blocks():
     c, kv = load_config("qwen3-4b"), 147456
-    slab, paged = (plan_budget(c, torch.bfloat16, 12 * GIB, block=b) for b in (1, 256))
+    whole, paged = (plan_budget(c, torch.bfloat16, 12 * GIB, block=b) for b in (1, 256))
     assert paged.breakdown(257)["kv"] == 512 * kv == paged.breakdown(512)["kv"]
-    assert paged.max_context == slab.max_context // 256 * 256  # the blocks that fit, whole
-    assert slab.breakdown(257)["kv"] == 257 * kv
+    assert paged.max_context == whole.max_context // 256 * 256  # the blocks that fit, whole
+    assert whole.breakdown(257)["kv"] == 257 * kv
 
 
 @pytest.mark.parametrize("tp, heads", [(1, 8), (2, 4), (8, 1), (16, 1)])

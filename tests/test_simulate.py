@@ -265,5 +265,5 @@ def test_any_cache_runs_from_a_factory_and_an_unknown_name_is_refused(tiny):
     assert r.cache == "QuantCache.for_model" and r.fits
     assert held <= r.at_peak["cache"] < 300 * kv_bytes_per_token(tiny.config, BF16)  # int8 codes
     assert simulate(tiny, 300, cache=QuantCache.for_model, tail=True, **kw).peak == r.peak
-    with pytest.raises(ValueError, match="'slab'"):
-        simulate(tiny, 300, cache="slab")
+    with pytest.raises(ValueError, match="'bogus'"):
+        simulate(tiny, 300, cache="bogus")
