@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from .config import GIB, MIB, head_dim, kv_bytes, kv_bytes_per_token, kv_heads, load_config
 from .memory import largest
 
-__all__ = ["ATTENTION", "Budget", "graph_pool_bytes", "meta_model", "param_count", "plan_budget",
-           "run_workspace", "weight_bytes", "workspace_bytes", "workspace_phases"]
+__all__ = ["ATTENTION", "Budget", "WindowBudget", "graph_pool_bytes", "meta_model", "param_count",
+           "plan_budget", "plan_kv", "run_workspace", "weight_bytes", "workspace_bytes",
+           "workspace_phases"]
 
 FAMILIES = ("llama", "qwen2", "qwen3")  # the families param_count can count
 
@@ -205,3 +206,31 @@ def plan_budget(config: PretrainedConfig, dtype: torch.dtype, budget_bytes: int,
     kv = kv_bytes_per_token(config, dtype, batch) * share // Hkv
     return Budget(weight_bytes(config, dtype) // tp + rope, kv, int(budget_bytes), workspace,
                   block, lambda n: kv_bytes(config, dtype, n, batch) * share // Hkv)
+
+
+@dataclass(frozen=True, repr=False)
+class WindowBudget(Budget):
+    """At most ``window`` tokens of KV a sequence: if they fit, any context up to ``positions``."""
+
+    window: int = 1
+    positions: int = 1
+
+    def __post_init__(self, workspace_at, kv_at) -> None:
+        super().__post_init__(workspace_at, kv_at)
+        fits = self.breakdown(self.window)["free"] >= 0
+        object.__setattr__(self, "max_context", self.positions if fits else 0)
+
+    def breakdown(self, context: int) -> dict[str, int]:
+        return super().breakdown(min(context, self.window))
+
+
+def plan_kv(config: PretrainedConfig, dtype: torch.dtype, budget_bytes: int, kv: str = "bf16",
+            window: int | None = None, batch: int = 1) -> Budget:
+    """:func:`plan_budget` with the KV stored as ``kv`` (a format of :data:`kvlib.config.FORMATS`,
+    as a :class:`~kvlib.QuantCache` stores int8 and int4) and, given a ``window``, each sequence's
+    KV capped at ``window`` tokens."""
+    plan = plan_budget(config, dtype, budget_bytes, batch=batch)
+    parts = (plan.weights, kv_bytes_per_token(config, kv, batch), plan.budget, plan._workspace_at)
+    if window is None:
+        return Budget(*parts)
+    return WindowBudget(*parts, window=window, positions=config.max_position_embeddings)

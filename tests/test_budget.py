@@ -10,9 +10,11 @@ from transformers import AutoConfig
 
 from kvlib.budget import (
     Budget,
+    WindowBudget,
     meta_model,
     param_count,
     plan_budget,
+    plan_kv,
     run_workspace,
     weight_bytes,
     workspace_bytes,
@@ -228,3 +230,34 @@ def test_tensor_parallel_splits_weights_and_kv_heads_down_to_one(tp, heads):
     assert split.kv_per_token == 36 * heads * 128 * 2 * 2  # L x heads per GPU x D x (K, V) x bf16
     rope = 4 * 128
     assert split.weights - rope == (one.weights - rope) // tp
+
+
+def test_plan_kv_moves_only_the_kv_term():
+    config = load_config("qwen3-4b")
+    base = plan_budget(config, torch.bfloat16, 12 * GIB)
+    assert plan_kv(config, torch.bfloat16, 12 * GIB) == base
+    plans = {kv: plan_kv(config, torch.bfloat16, 12 * GIB, kv) for kv in ("bf16", "fp8", "int8",
+                                                                          "int4")}
+    # the weights and the workspace are the base plan's; the KV is not
+    for kv, plan in plans.items():
+        assert (plan.weights, plan.budget) == (base.weights, base.budget)
+        assert plan.kv_per_token == kv_bytes_per_token(config, kv)
+        c = plan.max_context
+        assert plan.breakdown(c)["free"] >= 0 > plan.breakdown(c + 1)["free"], kv
+        assert plan.breakdown(c)["workspace"] == base.breakdown(c)["workspace"]
+    contexts = {kv: plan.max_context for kv, plan in plans.items()}
+    assert contexts["bf16"] < contexts["int8"] < contexts["fp8"] < contexts["int4"]
+    two = plan_kv(config, torch.bfloat16, 12 * GIB, "int8", batch=2)
+    assert two.kv_per_token == 2 * kv_bytes_per_token(config, "int8")
+
+
+def test_a_window_caps_the_kv_and_hands_the_limit_to_the_model():
+    config = load_config("qwen3-4b")
+    plan = plan_kv(config, torch.bfloat16, 12 * GIB, "bf16", window=4096)
+    assert isinstance(plan, WindowBudget)
+    assert plan.max_context == config.max_position_embeddings == 40960
+    assert plan.breakdown(10**6)["kv"] == plan.breakdown(4096)["kv"] == 4096 * 147456
+    assert plan.breakdown(100)["kv"] == 100 * 147456
+    too_big = plan_kv(config, torch.bfloat16, 12 * GIB, "bf16", window=10**6)
+    assert too_big.max_context == 0
+    assert "max_context=40,960" in repr(plan)
