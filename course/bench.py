@@ -26,13 +26,13 @@ from transformers import StaticCache, StoppingCriteria, StoppingCriteriaList
 from transformers.utils import logging as hf_logging
 
 from kvlib.bandwidth import decode_bytes, floor_s_per_token, measure_bandwidth
-from kvlib.budget import plan_budget
+from kvlib.budget import largest, plan_budget
 from kvlib.cat_cache import CatCache
 from kvlib.decoder import forward
 from kvlib.env import default_device, describe, label, resolve
 from kvlib.kv_cache import KVCache
 from kvlib.loop import generate
-from kvlib.memory import allocator_budget, cap_memory, free, largest, memory_stats
+from kvlib.memory import allocator_budget, cap_memory, free, memory_stats
 from kvlib.meter import AllocMeter, MeteredCache, fill
 from kvlib.models import load_model
 from kvlib.timing import StepTimer

@@ -11,6 +11,7 @@ from transformers import AutoConfig
 from kvlib.budget import (
     Budget,
     WindowBudget,
+    largest,
     meta_model,
     param_count,
     plan_budget,
@@ -261,3 +262,15 @@ def test_a_window_caps_the_kv_and_hands_the_limit_to_the_model():
     too_big = plan_kv(config, torch.bfloat16, 12 * GIB, "bf16", window=10**6)
     assert too_big.max_context == 0
     assert "max_context=40,960" in repr(plan)
+
+
+def test_largest_bisects_from_the_plan():
+    for limit in (0, 1, 7, 500, 999):
+        for first in (None, 0, 3, 600, 999, 5000):
+            calls = []
+            fits = lambda n: calls.append(n) or n <= limit  # noqa: B023, E731
+            assert largest(fits, 1000, first) == limit
+            assert len(calls) <= 12  # log2(1000) + the plan
+            if first is not None and 0 < first < 1000:
+                assert calls[0] == first
+    assert largest(lambda n: True, 1) == 0  # nothing to try

@@ -9,8 +9,9 @@ from helpers import TINY
 from course.simulate import Ledger, fits_context, longest_context, simulate
 from kvlib.bandwidth import decode_bytes, step_bytes
 from kvlib.budget import meta_model, plan_budget
-from kvlib.cards import CARDS, card, fused_sdpa, sdpa_kernel
+from kvlib.cards import CARDS, card
 from kvlib.config import GIB, kv_bytes_per_token, load_config
+from kvlib.sdpa_choice import fused_sdpa, sdpa_kernel
 
 META, BF16 = torch.device("meta"), torch.bfloat16
 
