@@ -20,7 +20,6 @@ import kvlib
 from kvlib import KVCache, RingCache
 from kvlib.budget import Budget, meta_model, run_workspace
 from kvlib.config import GIB, kv_bytes, kv_bytes_per_token, load_config
-from kvlib.quant_cache import kv_format_bytes
 
 from . import plots, say
 from .nb08 import chunk_logits
@@ -68,7 +67,7 @@ def formats(context: int = 32_768, budget: int = 12 * GIB, window: int = 1_020,
                          positions=config.max_position_embeddings))
     qwen, base = load_config("qwen3-4b"), rows[2]
     for kv in ("int8", "int4"):
-        per = kv_format_bytes(qwen, kv)
+        per = kv_bytes_per_token(qwen, kv)
         rows.append(dict(base, how=f"{kv} codes + scales", thread="by quantizing", per_token=per,
                          longest=_longest(qwen, budget, base["weights"], lambda c, p=per: p * c)))
     ring = (window + sinks) * kv_bytes_per_token(qwen, BF16)  # held whatever the length

@@ -1,7 +1,7 @@
 """A simulated card: the token loop on the ``meta`` device, where nothing is allocated, under a
 ledger of live bytes: ``memory_allocated`` without the allocator's rounding or caching. The op that
 would pass the budget raises an OOM. On ``meta`` SDPA always takes the math path, so
-:class:`kvlib.cards.Kernels` routes each call as torch's CUDA dispatcher would."""
+:class:`kvlib.sdpa_choice.Kernels` routes each call as torch's CUDA dispatcher would."""
 
 import weakref
 from contextlib import contextmanager
@@ -11,15 +11,15 @@ from functools import cache
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvlib.budget import meta_model
-from kvlib.cards import Card, Kernels
+from kvlib.budget import largest, meta_model
+from kvlib.cards import Card
 from kvlib.cards import card as get_card
 from kvlib.cat_cache import CatCache
 from kvlib.config import kv_bytes_per_token, size
 from kvlib.decoder import check_supported, forward
 from kvlib.kv_cache import KVCache
-from kvlib.memory import largest
 from kvlib.meter import MeteredCache, fill, new_storages
+from kvlib.sdpa_choice import Kernels
 
 __all__ = ["Ledger", "Run", "fits_context", "longest_context", "simulate"]
 

@@ -4,9 +4,9 @@ cannot take less than ``decode_bytes / bandwidth``, whatever the kernels do."""
 import torch
 from transformers import PretrainedConfig
 
-from kvlib.budget import param_count
-from kvlib.config import MIB, kv_bytes_per_token
-from kvlib.timing import time_fn
+from .budget import param_count
+from .config import MIB, kv_bytes
+from .timing import time_fn
 
 __all__ = ["decode_bytes", "floor_s_per_token", "mbu", "measure_bandwidth", "step_bytes"]
 
@@ -16,7 +16,7 @@ def decode_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int, bat
     ``batch`` rows), plus the K/V of ``context`` tokens. A floor: activations are left out."""
     embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
     weights = (param_count(config) - embedding + batch * config.hidden_size) * dtype.itemsize
-    return weights + kv_bytes_per_token(config, dtype, batch) * context
+    return weights + kv_bytes(config, dtype, context, batch)
 
 
 def step_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int,
@@ -25,7 +25,7 @@ def step_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int,
     ``2 * KV`` more, as it reads its whole cache and writes it again into a longer tensor."""
     if cache not in ("prealloc", "cat"):
         raise ValueError(f"cache must be 'prealloc' or 'cat', not {cache!r}")
-    copy_bytes = 2 * kv_bytes_per_token(config, dtype, batch) * context if cache == "cat" else 0
+    copy_bytes = 2 * kv_bytes(config, dtype, context, batch) if cache == "cat" else 0
     return decode_bytes(config, dtype, context, batch) + copy_bytes
 
 

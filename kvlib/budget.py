@@ -10,10 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from .config import GIB, MIB, head_dim, kv_bytes, kv_bytes_per_token, kv_heads, load_config
-from .memory import largest
 
-__all__ = ["ATTENTION", "Budget", "graph_pool_bytes", "meta_model", "param_count", "plan_budget",
-           "run_workspace", "weight_bytes", "workspace_bytes", "workspace_phases"]
+__all__ = ["ATTENTION", "Budget", "WindowBudget", "graph_pool_bytes", "largest", "meta_model",
+           "param_count", "plan_budget", "plan_kv", "run_workspace", "weight_bytes",
+           "workspace_bytes", "workspace_phases"]
 
 FAMILIES = ("llama", "qwen2", "qwen3")  # the families param_count can count
 
@@ -134,6 +134,19 @@ def graph_pool_bytes(config: PretrainedConfig, dtype: torch.dtype, context: int,
     return context * (13 + Hq * (12 + e) + Hkv * D * e) + rotations + logits
 
 
+def largest(fits, hi: int, first: int | None = None, lo: int = 0) -> int:
+    """The largest ``n < hi`` with ``fits(n)``, by bisection from ``lo`` (which fits, or is 0),
+    ``hi`` not fitting; ``first`` (the plan) is tried first, so the search goes on around it. The
+    one search for what fits a budget: the plan's own ``max_context``, and the simulated and the
+    measured card's longest context, each tried from the plan."""
+    n = first
+    while hi - lo > 1:
+        if n is None or not lo < n < hi:
+            n = (lo + hi) // 2
+        lo, hi, n = (n, hi, None) if fits(n) else (lo, n, None)
+    return lo
+
+
 @dataclass(frozen=True)
 class Budget:
     """Fixed weights, KV per token, and ``workspace_at(context)``, under ``budget`` (what the
@@ -175,7 +188,8 @@ def plan_budget(config: PretrainedConfig, dtype: torch.dtype, budget_bytes: int,
                 prefill_chunk: int = 512, *, attention: str = "fused", cache: str = "prealloc",
                 block: int = 1, tp: int = 1, graph_bucket: int | None = None) -> Budget:
     """The :class:`Budget` of ``config`` in ``dtype`` for kvlib's token loop; ``attention``:
-    ``"fused"`` (sm >= 8.0) or ``"math"``, where kernels fall back (``cards.sdpa_kernel``).
+    ``"fused"`` (sm >= 8.0) or ``"math"``, where kernels fall back
+    (:func:`kvlib.sdpa_choice.sdpa_kernel`).
 
     The guarantee: ``max_context`` runs on :mod:`course.simulate`'s card (live tensor bytes, op by
     op), ``batch`` requests of a prompt and its new tokens, at any ``prefill_chunk``; 1% more does
@@ -205,3 +219,31 @@ def plan_budget(config: PretrainedConfig, dtype: torch.dtype, budget_bytes: int,
     kv = kv_bytes_per_token(config, dtype, batch) * share // Hkv
     return Budget(weight_bytes(config, dtype) // tp + rope, kv, int(budget_bytes), workspace,
                   block, lambda n: kv_bytes(config, dtype, n, batch) * share // Hkv)
+
+
+@dataclass(frozen=True, repr=False)
+class WindowBudget(Budget):
+    """At most ``window`` tokens of KV a sequence: if they fit, any context up to ``positions``."""
+
+    window: int = 1
+    positions: int = 1
+
+    def __post_init__(self, workspace_at, kv_at) -> None:
+        super().__post_init__(workspace_at, kv_at)
+        fits = self.breakdown(self.window)["free"] >= 0
+        object.__setattr__(self, "max_context", self.positions if fits else 0)
+
+    def breakdown(self, context: int) -> dict[str, int]:
+        return super().breakdown(min(context, self.window))
+
+
+def plan_kv(config: PretrainedConfig, dtype: torch.dtype, budget_bytes: int, kv: str = "bf16",
+            window: int | None = None, batch: int = 1) -> Budget:
+    """:func:`plan_budget` with the KV stored as ``kv`` (a format of :data:`kvlib.config.FORMATS`,
+    as a :class:`~kvlib.QuantCache` stores int8 and int4) and, given a ``window``, each sequence's
+    KV capped at ``window`` tokens."""
+    plan = plan_budget(config, dtype, budget_bytes, batch=batch)
+    parts = (plan.weights, kv_bytes_per_token(config, kv, batch), plan.budget, plan._workspace_at)
+    if window is None:
+        return Budget(*parts)
+    return WindowBudget(*parts, window=window, positions=config.max_position_embeddings)

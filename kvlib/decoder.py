@@ -25,7 +25,7 @@ from .config import head_dim, kv_heads
 from .contract import Cache, Positions, at_places, check_ids, check_start, offers
 from .latent_cache import LatentCache, forward_latent
 
-__all__ = ["check_cache", "check_supported", "forward"]
+__all__ = ["check_cache", "check_supported", "forward", "forward_unchecked"]
 
 # What the loop computes: a pre-norm decoder of these parts (must have, may have) and nothing else.
 # Anything more (extra norms, attention sinks) changes the numbers, so it is refused by name.
@@ -251,10 +251,11 @@ def forward(model, ids, cache, start) -> torch.Tensor:
         check_start(c, s, x.shape[1], who)
     if len(caches) > 1 and any(isinstance(c, LatentCache) for c in caches):
         raise ValueError("a LatentCache runs one request a forward")
-    return _forward(model, ids, caches, starts, pack=batch)
+    return forward_unchecked(model, ids, caches, starts, pack=batch)
 
 
-def _forward(model, ids: list, caches: list, starts: list, pack: bool = True) -> torch.Tensor:
+def forward_unchecked(model, ids: list, caches: list, starts: list,
+                      pack: bool = True) -> torch.Tensor:
     """:func:`forward` unchecked, for the loop (its ids were checked at its door, or the model made
     them: reading them would wait on the device every step). ``pack``: copy even a list of one."""
     if isinstance(caches[0], LatentCache):  # no K or V per head: MLA's own forward

@@ -21,7 +21,7 @@ from .decoder import no_cudnn_attention, parts, rope_of
 from .env import resolve
 from .memory import free
 
-__all__ = ["StaticStep", "capture_graph", "fuse", "span"]
+__all__ = ["StaticStep", "capture_graph", "fuse", "span", "unfuse"]
 
 HOST_WAIT_ROPE = ("dynamic", "longrope")  # rotary updates that compare a position on the host
 QKV, QK_NORMS = ("q_proj", "k_proj", "v_proj"), ("q_norm", "k_norm")
@@ -45,9 +45,10 @@ def _norm(norm, x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def fuse(model) -> None:
-    """Each layer's q/k/v (and gate/up) weights and biases as one tensor, of which theirs are
-    views, in place (numbers unchanged), and ``_kvlib_fused`` / ``_kvlib_rope`` on its modules for
-    the static step. Undo: delete those; ``model.to`` gives each weight its own storage again."""
+    """Change ``model`` in place for the static step, its numbers unchanged (a :class:`StaticStep`
+    calls it): each layer's q/k/v (and gate/up) weights and biases become views of one tensor, held
+    on the module as ``_kvlib_fused``, and ``model.model._kvlib_rope`` is the model's RoPE. The
+    weights stay held once; :func:`unfuse` gives each its own storage back and removes both."""
     model.model._kvlib_rope = rope_of(type(model.model.layers[0].self_attn))
     for module, names in [(m, n) for layer in model.model.layers for m, n in (
             (layer.self_attn, QKV), (layer.mlp, GATE_UP if parts(layer.mlp) == MLP else ()))]:
@@ -63,6 +64,19 @@ def fuse(model) -> None:
                 setattr(m, kind, torch.nn.Parameter(whole[at : at + len(p)], p.requires_grad))
                 at += len(p)
             module._kvlib_fused.append(whole)
+
+
+@torch.no_grad()
+def unfuse(model) -> None:
+    """Undo :func:`fuse`: each fused weight and bias a tensor of its own, no ``_kvlib_*`` left."""
+    model.model.__dict__.pop("_kvlib_rope", None)
+    for module, names in [(m, n) for layer in model.model.layers for m, n in (
+            (layer.self_attn, QKV), (layer.mlp, GATE_UP))]:
+        if module.__dict__.pop("_kvlib_fused", None) is None:
+            continue
+        for m, kind in [(getattr(module, n), k) for n in names for k in ("weight", "bias")]:
+            if (p := getattr(m, kind)) is not None:
+                setattr(m, kind, torch.nn.Parameter(p.clone(), p.requires_grad))
 
 
 def _rotations(model, x: torch.Tensor, pos: torch.Tensor, group: int) -> list[torch.Tensor]:

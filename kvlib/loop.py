@@ -9,7 +9,7 @@ import torch
 
 from .cat_cache import CatCache
 from .contract import Cache, PrefixReuse, Window, at_places, check_ids, offers
-from .decoder import _forward, check_cache, check_supported
+from .decoder import check_cache, check_supported, forward_unchecked
 from .graphs import StaticStep
 from .kv_cache import KVCache
 from .latent_cache import LatentCache
@@ -98,7 +98,8 @@ def _cache(model, cache, step, max_seq: int) -> Cache:
 def _decode_step(model, cache: Cache, step, bucket: int):
     """``decode(tokens [B, 1], caches, positions) -> logits [B, V]`` for the chosen kind of step."""
     if step == "eager":
-        return lambda tokens, caches, pos: _forward(model, list(tokens.split(1)), caches, pos)
+        return lambda tokens, caches, pos: forward_unchecked(model, list(tokens.split(1)),
+                                                             caches, pos)
     if isinstance(step, StaticStep) or step in ("static", "graph"):  # one request: B = 1
         static = step if isinstance(step, StaticStep) else StaticStep(model, cache, bucket=bucket,
                                                                        capture=step == "graph")
@@ -183,8 +184,8 @@ def _prefill(model, reqs: list[_Request], chunk, timer) -> torch.Tensor:
     timer.start()
     for s in range(0, max(lens), chunk):
         live = [i for i, n in enumerate(lens) if s < n]
-        rows = _forward(model, [reqs[i].ids[:, s : s + chunk] for i in live],
-                        [reqs[i].cache for i in live], [reqs[i].start + s for i in live])
+        rows = forward_unchecked(model, [reqs[i].ids[:, s : s + chunk] for i in live],
+                                 [reqs[i].cache for i in live], [reqs[i].start + s for i in live])
         last.update(zip(live, rows))
     timer.stop()
     return torch.stack([last[i] for i in range(len(reqs))])

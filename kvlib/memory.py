@@ -1,4 +1,4 @@
-"""Memory over time, the 12 GiB emulation, and the largest size that fits.
+"""Memory now, and the 12 GiB emulation: a smaller card emulated on a bigger one.
 
 ``allocated`` is what live tensors hold; ``reserved`` what the caching allocator took from the
 driver, the number that runs out; ``peak_*`` the high-water mark. A CPU has no allocator to ask:
@@ -13,7 +13,7 @@ import torch
 from .config import GIB
 from .env import resolve
 
-__all__ = ["Cap", "allocator_budget", "cap_memory", "free", "largest", "memory_stats"]
+__all__ = ["Cap", "allocator_budget", "cap_memory", "free", "memory_stats"]
 
 
 def _rss() -> int:
@@ -45,17 +45,6 @@ def free(device: torch.device | str) -> None:
     gc.collect()
     if resolve(device).type == "cuda":
         torch.cuda.empty_cache()
-
-
-def largest(fits, hi: int, first: int | None = None, lo: int = 0) -> int:
-    """The largest ``n < hi`` with ``fits(n)``, by bisection from ``lo`` (which fits, or is 0),
-    ``hi`` not fitting; ``first`` (the plan) is tried first, so the search goes on around it."""
-    n = first
-    while hi - lo > 1:
-        if n is None or not lo < n < hi:
-            n = (lo + hi) // 2
-        lo, hi, n = (n, hi, None) if fits(n) else (lo, n, None)
-    return lo
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """Paged KV: many requests share one pool of fixed-size blocks.
 
-A slab per request reserves the longest request for every request; on a pool, a request holds its
-length rounded up to a block. One block id spans every layer, ``[L, Hkv, blocks, block, D]``, the
-layout paged FlexAttention reads. SDPA cannot follow a block table, so :meth:`PagedCache.view`
-gathers the blocks, a copy only a kernel reading the table removes. :meth:`PagedCache.fork` shares
-blocks (reference counts, copy on write): a shared prefix is stored once.
+A preallocated cache per request reserves the longest request's slots for each; on a pool, a
+request holds its length rounded up to a block. One block id spans every layer,
+``[L, Hkv, blocks, block, D]``, the layout paged FlexAttention reads. SDPA cannot follow a block
+table, so :meth:`PagedCache.view` gathers the blocks, a copy only a kernel reading the table
+removes. :meth:`PagedCache.fork` shares blocks (reference counts, copy on write): a shared prefix
+is stored once.
 
 With ``prefix_cache=True`` the pool also shares prefixes between requests that arrive apart: the
 same tokens at the same positions give the same K and V. A new request holds the longest chain of

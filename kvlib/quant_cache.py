@@ -5,21 +5,13 @@ Symmetric, one scale per token, KV head and ``group`` channels: ``code = round(x
 bytes (KIVI's per-channel key scales span tokens, and need a full-precision window). SDPA takes
 floating-point K/V, so :meth:`QuantCache.view` dequantizes one layer's slots at a time."""
 
-from dataclasses import dataclass
-
 import torch
 
-from .budget import Budget, plan_budget
 from .config import head_dim, kv_heads, size
 from .contract import check_kv, check_view, crop_slots
 from .env import default_device
 
-__all__ = ["FORMATS", "QuantCache", "WindowBudget", "kv_format_bytes", "plan_kv"]
-
-# Bytes per token and KV head of the formats the budget prices, with 2-byte scales (a bf16 card's);
-# fp8, as serving engines store it, has one scale per tensor: nothing per token.
-FORMATS = {"bf16": lambda D: 2 * D, "fp8": lambda D: D, "int8": lambda D: D + 2,
-           "int4": lambda D: D // 2 + D // min(32, D) * 2}
+__all__ = ["QuantCache", "dequantize", "quantize"]
 
 
 def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,35 +88,3 @@ class QuantCache:
         return (f"QuantCache(int{self.bits}, group={self.group}, layers={self.n_layers}, "
                 f"max_seq={self.max_seq}, {size(self.nbytes)}, "
                 f"{self.bytes_per_token} B/token, seq_len={self.seq_len})")
-
-
-def kv_format_bytes(config, kv: str = "bf16") -> int:
-    """KV bytes per token of ``config`` stored as ``kv``: what a :class:`QuantCache` holds."""
-    return 2 * config.num_hidden_layers * kv_heads(config) * FORMATS[kv](head_dim(config))
-
-
-@dataclass(frozen=True, repr=False)
-class WindowBudget(Budget):
-    """At most ``window`` tokens of KV a sequence: if they fit, any context up to ``positions``."""
-
-    window: int = 1
-    positions: int = 1
-
-    def __post_init__(self, workspace_at, kv_at) -> None:
-        super().__post_init__(workspace_at, kv_at)
-        fits = self.breakdown(self.window)["free"] >= 0
-        object.__setattr__(self, "max_context", self.positions if fits else 0)
-
-    def breakdown(self, context: int) -> dict[str, int]:
-        return super().breakdown(min(context, self.window))
-
-
-def plan_kv(config, dtype: torch.dtype, budget_bytes: int, kv: str = "bf16",
-            window: int | None = None, batch: int = 1) -> Budget:
-    """:func:`~kvlib.budget.plan_budget` with the KV stored as ``kv`` (a key of :data:`FORMATS`)
-    and, given a ``window``, each sequence's KV capped at ``window`` tokens."""
-    plan = plan_budget(config, dtype, budget_bytes, batch=batch)
-    parts = (plan.weights, batch * kv_format_bytes(config, kv), plan.budget, plan._workspace_at)
-    if window is None:
-        return Budget(*parts)
-    return WindowBudget(*parts, window=window, positions=config.max_position_embeddings)

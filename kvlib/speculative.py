@@ -11,7 +11,7 @@ The cache then holds the K/V of rejected guesses: ``crop`` rolls it back."""
 import torch
 
 from .contract import Rollback, Window, offers
-from .decoder import _forward
+from .decoder import forward_unchecked
 from .latent_cache import LatentCache
 
 __all__ = ["NGRAM", "check_lookup", "lookup", "propose"]
@@ -63,8 +63,8 @@ def lookup(model, request, logits: torch.Tensor, k: int, eos: set[int]) -> tuple
         guess = propose(history + tokens, _room(cache, pos, min(k, left)))
         # row i attends at slot pos+i after rows 0..i-1 wrote theirs; its logits pick token pos+i+1
         feed = [tokens[-1], *guess]
-        rows = _forward(model, [ids.new_tensor([[t]]) for t in feed], [cache] * len(feed),
-                        [pos + i for i in range(len(feed))])
+        rows = forward_unchecked(model, [ids.new_tensor([[t]]) for t in feed], [cache] * len(feed),
+                                 [pos + i for i in range(len(feed))])
         best = rows.argmax(-1).tolist()
         agree = next((i for i, (g, b) in enumerate(zip(guess, best)) if g != b), len(guess))
         cache.crop(pos + 1 + agree)  # keep the last token and the guesses kept

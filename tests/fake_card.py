@@ -8,7 +8,7 @@ managers run as on a GPU. :func:`fake_card` adds tensors: under ``FakeTensorMode
 data, no memory), ``.item()`` raises as a CUDA-graph capture would, and a CPU tensor mixed into a
 CUDA op is refused. :class:`Route` reruns on ``meta`` the calls a CPU build cannot make for a
 ``cuda`` tensor (Python indexing and a few bindings take a CUDA device guard) and answers SDPA and
-``torch._fused_sdp_choice`` as :func:`kvlib.cards.sdpa_kernel` models the card's dispatcher,
+``torch._fused_sdp_choice`` as :func:`kvlib.sdpa_choice.sdpa_kernel` models the card's dispatcher,
 counting the kernel each call would get. :func:`fake_model` is a model built on ``meta`` with its
 parameters and buffers swapped for fake CUDA tensors, ties kept.
 
@@ -29,18 +29,15 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.nn.attention import SDPBackend
-from torch.nn.attention.bias import CausalBias
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from kvlib import graphs
 from kvlib.budget import meta_model
-from kvlib.cards import sdpa_kernel
+from kvlib.sdpa_choice import BACKEND, SDPA, kernel_of
 
 GIB, MIB = 2**30, 2**20
 SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
@@ -315,8 +312,6 @@ def forget_side_streams():
 
 
 # --- tensors on the fake card -----------------------------------------------------------------
-_BACKEND = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-            "math": SDPBackend.MATH}
 _NO_CUDA = "not linked with support for cuda"
 
 
@@ -354,7 +349,7 @@ _READS = {torch.Tensor.item: 0.0, torch.Tensor.__float__: 0.0, torch.Tensor.__in
 
 class Route(TorchFunctionMode):
     """Reruns on ``meta`` what a CPU build cannot do for a fake ``cuda`` tensor; routes SDPA and
-    torch's chooser as :func:`kvlib.cards.sdpa_kernel` at ``sm`` would; ``counts`` tallies the
+    torch's chooser as :func:`kvlib.sdpa_choice.sdpa_kernel` at ``sm`` would; ``counts`` tallies the
     kernels SDPA calls would get."""
 
     def __init__(self, sm: float, driver: FakeDriver, host_reads: bool = False) -> None:
@@ -384,13 +379,10 @@ class Route(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in (F.scaled_dot_product_attention, torch._fused_sdp_choice):
-            q, k = args[:2]
-            mask = kwargs.get("attn_mask")
-            mask = None if isinstance(mask, CausalBias) else mask  # the kernel applies the rule
-            kind = sdpa_kernel(self.sm, q, k, mask, kwargs.get("enable_gqa", False))
+        if func in SDPA:
+            kind, _ = kernel_of(self.sm, args, kwargs)
             if func is torch._fused_sdp_choice:
-                return int(_BACKEND[kind])
+                return int(BACKEND[kind])
             self.counts[kind] = self.counts.get(kind, 0) + 1
             with _disable_current_modes():  # the math path checks shapes and dtypes; its inner
                 out = _on_meta(func, args, kwargs)  # ops, on meta, stay out of a capture

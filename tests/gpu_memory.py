@@ -8,10 +8,10 @@ import torch
 
 from course.bench import METERED
 from course.simulate import MAKE
-from kvlib.budget import plan_budget
+from kvlib.budget import largest, plan_budget
 from kvlib.decoder import forward
 from kvlib.env import resolve
-from kvlib.memory import free, largest, memory_stats
+from kvlib.memory import free, memory_stats
 from kvlib.meter import fill
 
 

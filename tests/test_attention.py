@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import kvlib
 from kvlib import attention
 from kvlib.attention import HIDDEN, MIN_CHUNK, attend, split_kv, splits
-from kvlib.graphs import QKV, StaticStep, fuse
+from kvlib.graphs import QKV, StaticStep, fuse, unfuse
 from kvlib.kv_cache import KVCache
 from kvlib.meter import count_kernels, decode_kernels
 
@@ -98,6 +98,22 @@ def test_fused_weights_are_views_of_one_tensor():
     assert mlp.up_proj.weight.untyped_storage()._cdata == gate_up
     storages = {p.untyped_storage()._cdata: p.untyped_storage() for p in model.parameters()}
     assert sum(s.nbytes() for s in storages.values()) == held  # each byte held once
+
+
+def test_unfuse_gives_the_model_back_as_it_was():
+    model, ids = tiny_model("qwen3"), torch.tensor([[3, 1, 4, 1, 5]])
+    want = kvlib.generate(model, ids, 8, eos_token_id=None).tokens
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    kvlib.generate(model, ids, 8, step="static", eos_token_id=None)  # fuses the model
+    unfuse(model)
+    unfuse(model)  # again: nothing to undo
+    params = dict(model.named_parameters())
+    assert params.keys() == before.keys()
+    assert all(torch.equal(params[name], p) for name, p in before.items())
+    storages = {p.untyped_storage()._cdata for p in params.values()}
+    assert len(storages) == len(params)  # each weight its own storage again
+    assert not [m for m in model.modules() if any(k.startswith("_kvlib") for k in vars(m))]
+    assert kvlib.generate(model, ids, 8, eos_token_id=None).tokens == want
 
 
 def _per_layer(step: str, attention: str) -> float:

@@ -38,7 +38,7 @@ from kvlib.paged_cache import BlockPool, PagedCache
 
 V = SHARED["vocab_size"]  # the tiny models' vocabulary, 0..511
 F32 = dict(device="cpu", dtype=torch.float32)
-KINDS = ["slab-head", "slab-seq", "cat", "paged", "paged-prefix", "int8", "int4", "ring",
+KINDS = ["prealloc-head", "prealloc-seq", "cat", "paged", "paged-prefix", "int8", "int4", "ring",
          "ring-places", "latent", "metered"]
 
 
@@ -52,8 +52,8 @@ def model_of(kind):
 def make(kind, model, max_seq=40):
     c = model.config
     return {
-        "slab-head": lambda: KVCache.for_model(c, max_seq, **F32),
-        "slab-seq": lambda: KVCache.for_model(c, max_seq, layout="seq", **F32),
+        "prealloc-head": lambda: KVCache.for_model(c, max_seq, **F32),
+        "prealloc-seq": lambda: KVCache.for_model(c, max_seq, layout="seq", **F32),
         "cat": lambda: CatCache.for_model(c, **F32),
         "paged": lambda: PagedCache(BlockPool.for_model(c, 10, 4, **F32)),
         "paged-prefix": lambda: PagedCache(BlockPool.for_model(c, 10, 4, prefix_cache=True,
@@ -238,7 +238,7 @@ def test_the_examples_hypothesis_shrank_to(example):
     check_example(*example)
 
 
-@pytest.mark.parametrize("kind", ["slab-head", "int8", "paged"])
+@pytest.mark.parametrize("kind", ["prealloc-head", "int8", "paged"])
 def test_a_bad_id_in_a_later_chunk_is_refused_before_the_first_chunk_runs(kind):
     """Before: torch's ``index out of range in self`` at the second chunk, ``seq_len`` 9 -> 13."""
     model, cache, watched = run_to(kind, "decoded", tokens(7, 0))
@@ -276,7 +276,7 @@ def test_a_direct_forward_checks_everything_before_any_request_of_a_batch_writes
 
 
 def test_a_cache_of_another_shape_dtype_or_device_is_refused_before_a_layer_is_written():
-    model = model_of("slab-head")
+    model = model_of("prealloc-head")
     c = model.config
     fewer = KVCache(c.num_hidden_layers - 1, 32, c.num_key_value_heads, c.head_dim, **F32)
     bf16 = KVCache.for_model(c, 32, device="cpu", dtype=torch.bfloat16)
@@ -294,5 +294,5 @@ def test_a_forward_over_a_latent_cache_checks_its_ids_start_and_model():
             match=f"token id {int(ids[0, 0])} at index 0 of 3")
     refused(lambda: forward(model, tokens(3, 0), cache, 39), [cache],
             match=r"KV overflow: writing slots 39\.\.42 into max_seq=40")
-    refused(lambda: forward(model_of("slab-head"), tokens(3, 0), cache, 0), [cache],
+    refused(lambda: forward(model_of("prealloc-head"), tokens(3, 0), cache, 0), [cache],
             match="LatentCache for 'llama': a LatentCache is DeepSeek-V2's")

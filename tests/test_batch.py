@@ -106,7 +106,7 @@ def test_smollm2_chat_batch_equals_each_chat_alone_to_its_eos(smollm2):
 # --- isolation: nothing read but the request's own slots ------------------------------------
 
 
-def test_slabs_poisoned_past_each_length_change_nothing():
+def test_preallocated_caches_poisoned_past_each_length_change_nothing():
     model, ids = model_of("gemma"), prompts()
     clean = generate(model, ids, list(NEWS), eos_token_id=None, return_logits=True)
     caches = [KVCache.for_model(model.config, 64, device="cpu", dtype=torch.float32) for _ in ids]

@@ -10,9 +10,12 @@ from transformers import AutoConfig
 
 from kvlib.budget import (
     Budget,
+    WindowBudget,
+    largest,
     meta_model,
     param_count,
     plan_budget,
+    plan_kv,
     run_workspace,
     weight_bytes,
     workspace_bytes,
@@ -215,10 +218,10 @@ def test_plan_budget_rejects_nonsense_with_numbers():
 
 def test_a_block_reserves_whole_blocks():
     c, kv = load_config("qwen3-4b"), 147456
-    slab, paged = (plan_budget(c, torch.bfloat16, 12 * GIB, block=b) for b in (1, 256))
+    whole, paged = (plan_budget(c, torch.bfloat16, 12 * GIB, block=b) for b in (1, 256))
     assert paged.breakdown(257)["kv"] == 512 * kv == paged.breakdown(512)["kv"]
-    assert paged.max_context == slab.max_context // 256 * 256  # the blocks that fit, whole
-    assert slab.breakdown(257)["kv"] == 257 * kv
+    assert paged.max_context == whole.max_context // 256 * 256  # the blocks that fit, whole
+    assert whole.breakdown(257)["kv"] == 257 * kv
 
 
 @pytest.mark.parametrize("tp, heads", [(1, 8), (2, 4), (8, 1), (16, 1)])
@@ -228,3 +231,46 @@ def test_tensor_parallel_splits_weights_and_kv_heads_down_to_one(tp, heads):
     assert split.kv_per_token == 36 * heads * 128 * 2 * 2  # L x heads per GPU x D x (K, V) x bf16
     rope = 4 * 128
     assert split.weights - rope == (one.weights - rope) // tp
+
+
+def test_plan_kv_moves_only_the_kv_term():
+    config = load_config("qwen3-4b")
+    base = plan_budget(config, torch.bfloat16, 12 * GIB)
+    assert plan_kv(config, torch.bfloat16, 12 * GIB) == base
+    plans = {kv: plan_kv(config, torch.bfloat16, 12 * GIB, kv) for kv in ("bf16", "fp8", "int8",
+                                                                          "int4")}
+    # the weights and the workspace are the base plan's; the KV is not
+    for kv, plan in plans.items():
+        assert (plan.weights, plan.budget) == (base.weights, base.budget)
+        assert plan.kv_per_token == kv_bytes_per_token(config, kv)
+        c = plan.max_context
+        assert plan.breakdown(c)["free"] >= 0 > plan.breakdown(c + 1)["free"], kv
+        assert plan.breakdown(c)["workspace"] == base.breakdown(c)["workspace"]
+    contexts = {kv: plan.max_context for kv, plan in plans.items()}
+    assert contexts["bf16"] < contexts["int8"] < contexts["fp8"] < contexts["int4"]
+    two = plan_kv(config, torch.bfloat16, 12 * GIB, "int8", batch=2)
+    assert two.kv_per_token == 2 * kv_bytes_per_token(config, "int8")
+
+
+def test_a_window_caps_the_kv_and_hands_the_limit_to_the_model():
+    config = load_config("qwen3-4b")
+    plan = plan_kv(config, torch.bfloat16, 12 * GIB, "bf16", window=4096)
+    assert isinstance(plan, WindowBudget)
+    assert plan.max_context == config.max_position_embeddings == 40960
+    assert plan.breakdown(10**6)["kv"] == plan.breakdown(4096)["kv"] == 4096 * 147456
+    assert plan.breakdown(100)["kv"] == 100 * 147456
+    too_big = plan_kv(config, torch.bfloat16, 12 * GIB, "bf16", window=10**6)
+    assert too_big.max_context == 0
+    assert "max_context=40,960" in repr(plan)
+
+
+def test_largest_bisects_from_the_plan():
+    for limit in (0, 1, 7, 500, 999):
+        for first in (None, 0, 3, 600, 999, 5000):
+            calls = []
+            fits = lambda n: calls.append(n) or n <= limit  # noqa: B023, E731
+            assert largest(fits, 1000, first) == limit
+            assert len(calls) <= 12  # log2(1000) + the plan
+            if first is not None and 0 < first < 1000:
+                assert calls[0] == first
+    assert largest(lambda n: True, 1) == 0  # nothing to try

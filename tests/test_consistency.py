@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvlib.budget import plan_budget
+from kvlib.budget import plan_budget, plan_kv
 from kvlib.config import GIB, MIB, load_config
-from kvlib.quant_cache import plan_kv
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"

@@ -25,8 +25,8 @@ L, H, D, S = 2, 2, 8, 32  # layers, kv_heads, head_dim, slots of the bare caches
 R, P = 12, 4  # a latent cache's rank and RoPE key
 F32 = dict(device="cpu", dtype=torch.float32)
 MAKE = {
-    "slab-head": lambda: KVCache(L, S, H, D, layout="head", **F32),
-    "slab-seq": lambda: KVCache(L, S, H, D, layout="seq", **F32),
+    "prealloc-head": lambda: KVCache(L, S, H, D, layout="head", **F32),
+    "prealloc-seq": lambda: KVCache(L, S, H, D, layout="seq", **F32),
     "cat": lambda: CatCache(L, H, D, **F32),
     "paged": lambda: PagedCache(BlockPool(L, 8, 4, H, D, **F32)),
     "paged-prefix": lambda: PagedCache(BlockPool(L, 8, 4, H, D, prefix_cache=True, **F32)),
@@ -35,14 +35,14 @@ MAKE = {
     "ring": lambda: RingCache(L, 6, H, D, sinks=1, **F32),
     "ring-places": lambda: RingCache(L, 6, H, D, sinks=1, positions="cache", **F32),
     "latent": lambda: LatentCache(L, S, R, P, **F32),
-    "metered-slab": lambda: MeteredCache(KVCache(L, S, H, D, **F32), AllocMeter()),
+    "metered-prealloc": lambda: MeteredCache(KVCache(L, S, H, D, **F32), AllocMeter()),
 }
 CLAIMS = {  # what each offers, beyond the base contract
-    "slab-head": {Rollback, StaticWrites}, "slab-seq": {Rollback, StaticWrites},
+    "prealloc-head": {Rollback, StaticWrites}, "prealloc-seq": {Rollback, StaticWrites},
     "cat": {Rollback}, "paged": {Rollback, PrefixReuse}, "paged-prefix": {Rollback, PrefixReuse},
     "int8": {Rollback}, "int4": {Rollback}, "ring": {Rollback, Positions, Window},
     "ring-places": {Rollback, Positions, Window}, "latent": {Rollback},
-    "metered-slab": {Rollback, StaticWrites},
+    "metered-prealloc": {Rollback, StaticWrites},
 }
 KINDS = list(MAKE)
 

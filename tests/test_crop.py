@@ -1,10 +1,10 @@
 """Rollback, an invariant every cache keeps: after ``crop(n)`` a cache reads exactly as if only its
 first ``n`` tokens had ever been written.
 
-Exact bytes for every kind (the slab in both layouts, cat, int8 and int4, paged, a ring within
-what it holds); the tokens of a cropped and continued run equal transformers'; a paged crop gives
-back the blocks past the end and never writes through a shared tail block; a crop past the length,
-or past what a ring holds, is refused with the numbers and changes nothing.
+Exact bytes for every kind (the preallocated cache in both layouts, cat, int8 and int4, paged, a
+ring within what it holds); the tokens of a cropped and continued run equal transformers'; a paged
+crop gives back the blocks past the end and never writes through a shared tail block; a crop past
+the length, or past what a ring holds, is refused with the numbers and changes nothing.
 """
 
 import functools
@@ -21,7 +21,7 @@ from kvlib import CatCache, KVCache, QuantCache, RingCache, generate
 from kvlib.paged_cache import BlockPool, PagedCache
 
 L, H, D = 2, 2, 8  # layers, kv_heads, head_dim of the bare caches
-KINDS = ["slab-head", "slab-seq", "cat", "int8", "int4", "paged", "ring"]
+KINDS = ["prealloc-head", "prealloc-seq", "cat", "int8", "int4", "paged", "ring"]
 
 
 def make(kind, config=None, window=64, sinks=0):
@@ -30,8 +30,8 @@ def make(kind, config=None, window=64, sinks=0):
                                               config.num_key_value_heads, config.head_dim)
     n_layers, heads, dim = shape
     kw = dict(device="cpu", dtype=torch.float32)
-    if kind.startswith("slab"):
-        return KVCache(n_layers, 64, heads, dim, layout=kind[5:], **kw)
+    if kind.startswith("prealloc"):
+        return KVCache(n_layers, 64, heads, dim, layout=kind.removeprefix("prealloc-"), **kw)
     if kind == "cat":
         return CatCache(n_layers, heads, dim, **kw)
     if kind.startswith("int"):
@@ -80,7 +80,7 @@ def model_of(family):
     return tiny_model(family)
 
 
-@pytest.mark.parametrize("kind", ["slab-head", "cat", "paged", "ring"])
+@pytest.mark.parametrize("kind", ["prealloc-head", "cat", "paged", "ring"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_a_run_cropped_and_continued_gives_transformers_tokens(family, kind):
     model, back = model_of(family), 7
@@ -89,7 +89,7 @@ def test_a_run_cropped_and_continued_gives_transformers_tokens(family, kind):
     if kind == "paged":
         cache = PagedCache(BlockPool.for_model(model.config, 32, 4, device="cpu",
                                                dtype=torch.float32))
-    if kind.startswith("slab"):
+    if kind.startswith("prealloc"):
         cache = KVCache.for_model(model.config, 64, device="cpu", dtype=torch.float32)
     g = generate(model, prompt(), 20, cache=cache, eos_token_id=None)
     assert g.tokens == hf_tokens[:20]

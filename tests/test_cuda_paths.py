@@ -244,19 +244,6 @@ def test_dynamic_rope_from_the_config_is_refused():
     assert len(kvlib.generate(model, torch.tensor([[1, 2, 3]]), 2).tokens) == 2  # eager runs
 
 
-# --- the longest context: bisection, and the tries it runs --------------------------------------
-def test_largest_bisects_from_the_plan():
-    for limit in (0, 1, 7, 500, 999):
-        for first in (None, 0, 3, 600, 999, 5000):
-            calls = []
-            fits = lambda n: calls.append(n) or n <= limit  # noqa: B023, E731
-            assert memory.largest(fits, 1000, first) == limit
-            assert len(calls) <= 12  # log2(1000) + the plan
-            if first is not None and 0 < first < 1000:
-                assert calls[0] == first
-    assert memory.largest(lambda n: True, 1) == 0  # nothing to try
-
-
 class _Cap(TorchDispatchMode):
     """A CPU allocator that runs out: OOM once the tensors made in the block that are still alive
     hold more than ``limit`` bytes."""

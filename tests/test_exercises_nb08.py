@@ -4,9 +4,9 @@ import torch
 from exercises import nb08
 from helpers import check_tests
 
-from kvlib.budget import run_workspace, weight_bytes
+from kvlib.budget import plan_kv, run_workspace, weight_bytes
 from kvlib.config import head_dim, kv_heads
-from kvlib.quant_cache import plan_kv, quantize
+from kvlib.quant_cache import quantize
 
 
 def slot_ignores_sinks(p, window, sinks):

@@ -341,7 +341,7 @@ def test_sampled_tokens_stay_inside_top_k_and_top_p():
 def test_too_long_for_max_seq_is_refused_before_any_work(kind, monkeypatch):
     model = model_of("llama")
     calls = []
-    monkeypatch.setattr(kvlib.loop, "_forward", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(kvlib.loop, "forward_unchecked", lambda *a, **k: calls.append(1))
     msg = re.escape("KV overflow: 0 cached + 10 prompt + 7 new tokens > max_seq=16")
     if kind == "prealloc":
         cache = make_cache("prealloc", model, max_seq=16)

@@ -71,3 +71,14 @@ def test_a_plan_on_12_gib_never_holds_more_kv_than_the_bytes_allow(name):
         assert kv_bytes(config, BF16, n + 1) > 12 * GIB
     if name == "gemma-3-4b":  # past the window the 5 global layers set it: 6x every layer's
         assert n > 6 * (12 * GIB - b.weights) // (34 * 2 * 4 * 256 * 2)
+
+
+def test_formats_the_budget_prices():
+    config = load_config("qwen3-4b")
+    bf16 = kv_bytes_per_token(config, BF16)
+    assert kv_bytes_per_token(config, "bf16") == bf16 == 147456
+    assert kv_bytes_per_token(config, "fp8") == bf16 // 2  # one scale per tensor: nothing per token
+    assert kv_bytes_per_token(config, "int8") == 2 * 36 * 8 * (128 + 2)
+    assert kv_bytes_per_token(config, "int4") == 2 * 36 * 8 * (64 + 4 * 2)
+    lite = load_config("deepseek-v2-lite")  # a format prices the latent vector the same way
+    assert kv_bytes_per_token(lite, "int8") == 27 * (512 + 64 + 2)

@@ -1,8 +1,8 @@
 """The paged cache: a pool of blocks, a free list, block tables, copy on write.
 
 Blocks are taken as a request grows and given back when it is reset; running out is an error with
-the pool's numbers; the tokens equal the slab cache's; reading gathers the request's blocks (a copy,
-measured exactly); a fork shares blocks until it writes into one.
+the pool's numbers; the tokens equal the preallocated cache's; reading gathers the request's blocks
+(a copy, measured exactly); a fork shares blocks until it writes into one.
 """
 
 import functools
@@ -67,16 +67,16 @@ def test_blocks_are_taken_as_a_request_grows_and_given_back_on_reset():
 
 
 def test_the_view_is_the_slots_written_in_order_gathered_from_the_blocks():
-    pool, slab = pool_of(), KVCache(L, 32, H, D, device="cpu", dtype=torch.float32)
+    pool, prealloc = pool_of(), KVCache(L, 32, H, D, device="cpu", dtype=torch.float32)
     other, paged = PagedCache(pool), PagedCache(pool)
     fill(other, 0, 3, seed=9)  # interleave: the request's blocks are not contiguous
     for start, n in ((0, 6), (6, 1), (7, 4)):
-        fill(paged, start, n, seed=start), fill(slab, start, n, seed=start)
+        fill(paged, start, n, seed=start), fill(prealloc, start, n, seed=start)
         fill(other, other.seq_len, 4, seed=start + 1)
     assert paged.table == [1, 2, 5] and other.table == [0, 3, 4, 6]
     for layer in range(L):
         for seq in (0, 1, 4, 11):
-            for got, want in zip(paged.view(layer, seq), slab.view(layer, seq)):
+            for got, want in zip(paged.view(layer, seq), prealloc.view(layer, seq)):
                 assert got.shape == (1, H, seq, D) and torch.equal(got, want)
 
 
@@ -135,12 +135,12 @@ def test_generate_refuses_a_request_longer_than_the_pool_and_runs_out_in_a_batch
 
 @pytest.mark.parametrize("block", [1, 3, 16])
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
-def test_paged_tokens_equal_the_slab_cache_tokens(family, block):
+def test_paged_tokens_equal_the_preallocated_cache_tokens(family, block):
     model = model_of(family)
-    slab = generate(model, ids(13), 24, eos_token_id=None)
+    prealloc = generate(model, ids(13), 24, eos_token_id=None)
     pool = pool_of(n_blocks=64, block=block, model=model)
     paged = generate(model, ids(13), 24, cache=PagedCache(pool), eos_token_id=None, prefill_chunk=5)
-    assert paged.tokens == slab.tokens
+    assert paged.tokens == prealloc.tokens
     assert len(paged.cache.table) == -(-(13 + 23) // block) == pool.used
 
 

@@ -10,16 +10,8 @@ import torch
 from helpers import FAMILIES, SHARED, assert_same_greedy, tiny_model
 
 from kvlib import AllocMeter, KVCache, forward, generate
-from kvlib.budget import plan_budget
-from kvlib.config import GIB, kv_bytes_per_token, load_config
-from kvlib.quant_cache import (
-    QuantCache,
-    WindowBudget,
-    dequantize,
-    kv_format_bytes,
-    plan_kv,
-    quantize,
-)
+from kvlib.config import kv_bytes_per_token, load_config
+from kvlib.quant_cache import QuantCache, dequantize, quantize
 
 FOLDED = dict(rtol=1e-4, atol=1e-4)  # two SDPA calls over equal K/V, summed in another order
 SCHEMES = [(8, 16), (8, 4), (4, 16), (4, 4)]  # (bits, group) on head_dim 16
@@ -75,47 +67,7 @@ def test_bytes_per_token_are_exact_scales_included(bits, group, dtype, want):
     assert cache.bytes_per_token == want
     assert cache.nbytes == 100 * want  # every tensor it holds, counted
     if dtype == torch.bfloat16 and group is None:  # what the budget prices for a bf16 card
-        assert kv_format_bytes(config, f"int{bits}") == want
-
-
-def test_formats_the_budget_prices():
-    config = load_config("qwen3-4b")
-    bf16 = kv_bytes_per_token(config, torch.bfloat16)
-    assert kv_format_bytes(config, "bf16") == bf16 == 147456
-    assert kv_format_bytes(config, "fp8") == bf16 // 2  # one scale per tensor: nothing per token
-    assert kv_format_bytes(config, "int8") == 2 * 36 * 8 * (128 + 2)
-    assert kv_format_bytes(config, "int4") == 2 * 36 * 8 * (64 + 4 * 2)
-
-
-def test_plan_kv_moves_only_the_kv_term():
-    config = load_config("qwen3-4b")
-    base = plan_budget(config, torch.bfloat16, 12 * GIB)
-    assert plan_kv(config, torch.bfloat16, 12 * GIB) == base
-    plans = {kv: plan_kv(config, torch.bfloat16, 12 * GIB, kv) for kv in ("bf16", "fp8", "int8",
-                                                                          "int4")}
-    # the weights and the workspace are the base plan's; the KV is not
-    for kv, plan in plans.items():
-        assert (plan.weights, plan.budget) == (base.weights, base.budget)
-        assert plan.kv_per_token == kv_format_bytes(config, kv)
-        c = plan.max_context
-        assert plan.breakdown(c)["free"] >= 0 > plan.breakdown(c + 1)["free"], kv
-        assert plan.breakdown(c)["workspace"] == base.breakdown(c)["workspace"]
-    contexts = {kv: plan.max_context for kv, plan in plans.items()}
-    assert contexts["bf16"] < contexts["int8"] < contexts["fp8"] < contexts["int4"]
-    two = plan_kv(config, torch.bfloat16, 12 * GIB, "int8", batch=2)
-    assert two.kv_per_token == 2 * kv_format_bytes(config, "int8")
-
-
-def test_a_window_caps_the_kv_and_hands_the_limit_to_the_model():
-    config = load_config("qwen3-4b")
-    plan = plan_kv(config, torch.bfloat16, 12 * GIB, "bf16", window=4096)
-    assert isinstance(plan, WindowBudget)
-    assert plan.max_context == config.max_position_embeddings == 40960
-    assert plan.breakdown(10**6)["kv"] == plan.breakdown(4096)["kv"] == 4096 * 147456
-    assert plan.breakdown(100)["kv"] == 100 * 147456
-    too_big = plan_kv(config, torch.bfloat16, 12 * GIB, "bf16", window=10**6)
-    assert too_big.max_context == 0
-    assert "max_context=40,960" in repr(plan)
+        assert kv_bytes_per_token(config, f"int{bits}") == want
 
 
 def test_the_cache_holds_codes_and_scales_and_a_view_dequantizes_one_layer():

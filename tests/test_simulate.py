@@ -9,8 +9,9 @@ from helpers import TINY
 from course.simulate import Ledger, fits_context, longest_context, simulate
 from kvlib.bandwidth import decode_bytes, step_bytes
 from kvlib.budget import meta_model, plan_budget
-from kvlib.cards import CARDS, card, fused_sdpa, sdpa_kernel
+from kvlib.cards import CARDS, card
 from kvlib.config import GIB, kv_bytes_per_token, load_config
+from kvlib.sdpa_choice import fused_sdpa, sdpa_kernel
 
 META, BF16 = torch.device("meta"), torch.bfloat16
 
@@ -265,5 +266,5 @@ def test_any_cache_runs_from_a_factory_and_an_unknown_name_is_refused(tiny):
     assert r.cache == "QuantCache.for_model" and r.fits
     assert held <= r.at_peak["cache"] < 300 * kv_bytes_per_token(tiny.config, BF16)  # int8 codes
     assert simulate(tiny, 300, cache=QuantCache.for_model, tail=True, **kw).peak == r.peak
-    with pytest.raises(ValueError, match="'slab'"):
-        simulate(tiny, 300, cache="slab")
+    with pytest.raises(ValueError, match="'bogus'"):
+        simulate(tiny, 300, cache="bogus")

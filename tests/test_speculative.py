@@ -43,7 +43,7 @@ def greedy(family="llama", seed=3):
 
 def cache_of(kind, model):
     kw = dict(device="cpu", dtype=torch.float32)
-    return {"slab": lambda: KVCache.for_model(model.config, 128, **kw),
+    return {"prealloc": lambda: KVCache.for_model(model.config, 128, **kw),
             "cat": lambda: CatCache.for_model(model.config, **kw),
             "paged": lambda: PagedCache(BlockPool.for_model(model.config, 64, 4, **kw)),
             "ring": lambda: RingCache.for_model(model.config, 128, **kw)}[kind]()
@@ -57,7 +57,7 @@ def test_propose_takes_what_followed_the_latest_longest_match():
 
 
 @pytest.mark.parametrize("k", [1, 4, 10])
-@pytest.mark.parametrize("kind", ["slab", "cat", "paged", "ring"])
+@pytest.mark.parametrize("kind", ["prealloc", "cat", "paged", "ring"])
 def test_lookup_tokens_equal_plain_greedy_on_every_cache_that_crops(kind, k):
     model = model_of()
     g = generate(model, text(), NEW, cache=cache_of(kind, model), eos_token_id=None,

@@ -12,9 +12,8 @@ import torch
 
 from kvlib import budget as kv_budget
 from kvlib import quant_cache
-from kvlib.budget import Budget, run_workspace, weight_bytes
+from kvlib.budget import Budget, plan_kv, run_workspace, weight_bytes
 from kvlib.config import GIB, head_dim, kv_heads, load_config
-from kvlib.quant_cache import plan_kv
 
 from .checking import attempt, check, expect, hint
 
@@ -22,8 +21,8 @@ from .checking import attempt, check, expect, hint
 # reference solutions are hidden too: the notebook imports this module.
 _HERE = sys.modules[__name__]
 QUANTIZE = ((quant_cache, "quantize"), (quant_cache, "dequantize"), (_HERE, "quantize_solution"))
-PLAN = ((quant_cache, "plan_kv"), (quant_cache, "kv_format_bytes"), (kv_budget, "plan_budget"),
-        (kv_budget, "Budget"), (_HERE, "longest_int4_solution"))
+PLAN = ((kv_budget, "plan_kv"), (kv_budget, "plan_budget"), (kv_budget, "Budget"),
+        (_HERE, "longest_int4_solution"))
 
 # --- 1. the ring's slot index ---------------------------------------------------------------
 
