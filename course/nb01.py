@@ -147,7 +147,7 @@ def roofline(model, ns, peak: float, bandwidth: float, flops, label: str):
     fig, ax = plots.figure("Roofline: a decode step and prefills of n tokens", shown,
                            "arithmetic intensity (FLOP per byte moved)", "achieved GFLOP/s",
                            size=(7, 4.4))
-    roof = [min(x) / 4, ridge, 4 * max(x)]
+    roof = sorted([min(x) / 4, ridge, 4 * max(x)])
     ax.plot(roof, [min(peak, bandwidth * v) / 1e9 for v in roof], color="0.3",
             label=f"roof: min(peak {peak / 1e9:,.0f} GFLOP/s, "
                   f"{bandwidth / 1e9:.0f} GB/s × intensity)")
