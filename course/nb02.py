@@ -1,15 +1,11 @@
-"""Notebook 02's machinery (the ``cat`` cache): the H200 reference figure it opens with, the drawn
-decode step, the simulated 12 GiB card, and on a GPU the same run on the card. Each function is one
-notebook cell's call and prints at most one line; the notebook keeps the code that teaches.
-"""
+"""Notebook 02's machinery (the ``cat`` cache), one cell a function: the H200 reference figure, the
+drawn decode step, the simulated 12 GiB card, and on a GPU the same run on the card."""
 
 import torch
 from matplotlib.figure import Figure
-from matplotlib.patches import FancyArrowPatch, Rectangle
-from transformers import cache_utils
+from matplotlib.patches import FancyArrowPatch
 
 import kvlib
-from course.simulate import simulate
 from kvlib.cards import Card, card
 from kvlib.config import GIB, MIB
 from kvlib.memory import free, memory_stats
@@ -17,42 +13,23 @@ from kvlib.memory import free, memory_stats
 from . import plots, say
 from .memory_trace import memory_snapshot
 from .quantities import H200, reference_caches, short_of, simulated_longest  # noqa: F401 (H200: nb03's)
-
-
-def dynamic_layer() -> type:
-    """The layer class ``DynamicCache`` grows for full attention: the mapping that names it is
-    newer than ``DynamicLayer``, so older releases fall back to that class."""
-    mapping = getattr(cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING", {})
-    return mapping.get("full_attention", cache_utils.DynamicLayer)
+from .simulate import MAKE, simulate
 
 
 def big_card(device) -> tuple[Card, torch.dtype]:
-    """(card, dtype) of the 12 GB run: on a GPU this card under the 12 GiB cap in
-    ``kvlib.auto_dtype``'s dtype; elsewhere the course's 12 GiB card in the dtype auto_dtype
-    would pick at its compute capability (bf16 from sm 8.0, else fp16)."""
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        here = Card(torch.cuda.get_device_name(device), memory_gb=12, sm=major + minor / 10,
-                    bandwidth=0.0, source="this card, capped at 12 GiB")
-        return here, kvlib.auto_dtype(device)
-    course = card("12 GiB")
-    return course, torch.bfloat16 if course.sm >= 8.0 else torch.float16
-
-
-def _reference():
-    ref = plots.gpu_reference("gpu_longest")
-    if ref is None:
-        print("no GPU reference (figures/h200/gpu_longest.json): no real allocator to show")
-    return ref
+    """(card, dtype) of the 12 GB run: on a GPU this card under the 12 GiB cap; elsewhere the
+    course's 12 GiB card, in the dtype auto_dtype picks at its sm (bf16 from sm 8.0, else fp16)."""
+    if device.type != "cuda":
+        course = card("12 GiB")
+        return course, torch.bfloat16 if course.sm >= 8.0 else torch.float16
+    major, minor = torch.cuda.get_device_capability(device)
+    return Card(torch.cuda.get_device_name(device), memory_gb=12, sm=major + minor / 10,
+                bandwidth=0.0, source="this card, capped at 12 GiB"), kvlib.auto_dtype(device)
 
 
 def fragmentation_figure():
-    """The answer first: the H200 reference's ``cat`` cache, grown chunk by chunk under a 12 GiB
-    cap, with ``reserved`` far above ``allocated``. Drawn from its JSON, with its label."""
-    ref = _reference()
-    if ref is None:
-        return None
-    data, label, _ = ref
+    """The answer first: the H200 reference's ``cat`` cache, reserved far above allocated."""
+    data, label = plots.load("gpu_longest", plots.FIGURES / "h200")  # the GPU check's runs
     trace, cat, pre, cap = data["cat_trace"], data["cat"], data["prealloc"], data["budget"] / GIB
     x = [r["tokens"] / 1000 for r in trace]
     alloc, resv = [r["allocated"] / GIB for r in trace], [r["reserved"] / GIB for r in trace]
@@ -93,12 +70,12 @@ def cat_step_figure(t: int = 6) -> Figure:
             (-0.4, f"the cache's K: t+1 = {t + 1} slots", t + 1, False))
     for y, text, n, freed in rows:  # n boxes, slot t (the new token) orange, a freed block dashed
         ax.text(-0.3, y + 0.4, text, ha="right", va="center", fontsize=8)
-        for i in range(n):
-            ax.add_patch(Rectangle((i, y), 0.9, 0.8, ls="--" if freed else "-",
-                                   facecolor="none" if freed else "tab:orange" if i == t
-                                   else "tab:blue", edgecolor="0.4" if freed else "white"))
-            ax.text(i + 0.45, y + 0.4, str(i), ha="center", va="center", fontsize=7,
-                    color="0.4" if freed else "white")
+        boxes = ax.barh(y, 0.9, 0.8, range(n), align="edge", ls="--" if freed else "-",
+                        edgecolor="0.4" if freed else "white",
+                        color=["none" if freed else "tab:orange" if i == t else "tab:blue"
+                               for i in range(n)])
+        ax.bar_label(boxes, range(n), label_type="center", fontsize=7,
+                     color="0.4" if freed else "white")
     for i in range(t):  # the copy: every old slot read, and written again
         ax.add_artist(FancyArrowPatch((i + 0.45, 3.8), (i + 0.45, 3.3), arrowstyle="-|>",
                                       mutation_scale=8, color="0.3", lw=0.8))
@@ -109,11 +86,10 @@ def cat_step_figure(t: int = 6) -> Figure:
     return fig
 
 
-def where_it_dies(qwen, card, naive: int, chunk: int = 512) -> int:
-    """A ``cat`` cache on the simulated card (exact tensor bytes, no allocator): its longest context
-    (:func:`course.quantities.simulated_longest`, as notebooks 03 and 06 print it), then a run
-    pushed past every spare byte in ``chunk``-token chunks; prints where that run died and returns
-    the tokens it held."""
+def where_it_dies(qwen, card, naive: int, chunk: int = 512) -> None:
+    """A ``cat`` cache on the simulated card: its longest context (as notebooks 03 and 06 print it),
+    where a run pushed past every spare byte in ``chunk``-token chunks died; then, like for like,
+    what ``cat`` cost on a real allocator: the H200 reference's two caches on one card, one cap."""
     longest = simulated_longest(qwen, card, "cat")
     sim = simulate(qwen, naive + 1024 + 4, cache="cat", card=card, prefill_chunk=chunk, decode=4)
     died = sim.timeline["tokens"][-1] if sim.timeline["tokens"] else 0
@@ -122,32 +98,21 @@ def where_it_dies(qwen, card, naive: int, chunk: int = 512) -> int:
         f"longest context {longest:,} tokens (every prompt up to it fits); a run pushed past it "
         f"died in its {chunk}-token prefill chunk from {died:,} to {died + chunk:,} tokens, at "
         f"{where}; the KV alone (no workspace) would fit {naive:,}")
-    return died
-
-
-def reference_loss() -> None:
-    """What growing by ``cat`` cost on a real allocator, like for like: the H200 reference's two
-    caches on the same card under the same cap, and the allocator's reserved above allocated."""
-    ref = _reference()
-    if ref is not None:
-        say(reference_caches(ref[0]))
+    say(reference_caches(plots.load("gpu_longest", plots.FIGURES / "h200")[0]))
 
 
 def card_run(big, context: int, cache: str, dtype, chunk: int = 512, decode: int = 4):
     """``simulate()``'s loop on a real card: memory after every chunk and step, and the OOM if one
     comes (caught, reported, freed: the notebook goes on)."""
-    device = big.device
-    prompt = context - decode
+    device, prompt = big.device, context - decode
     ids = torch.randint(0, big.config.vocab_size, (1, prompt),
                         generator=torch.Generator().manual_seed(0)).to(device)
-    kv = (kvlib.CatCache.for_model(big.config, device=device, dtype=dtype) if cache == "cat"
-          else kvlib.KVCache.for_model(big.config, context, device=device, dtype=dtype))
+    kv = MAKE[cache](big.config, context, device=device, dtype=dtype)
     rows, oom, logits = [], None, None
-    pieces = [(s, ids[:, s : s + chunk]) for s in range(0, prompt, chunk)]  # prefill chunks
-    try:
-        for pos, piece in pieces + [(pos, None) for pos in range(prompt, context)]:  # then decode
+    try:  # the prefill's chunks, then the decode steps
+        for pos in [*range(0, prompt, chunk), *range(prompt, context)]:
             torch.cuda.reset_peak_memory_stats(device)
-            piece = logits.argmax(-1, keepdim=True) if piece is None else piece
+            piece = ids[:, pos : pos + chunk] if pos < prompt else logits.argmax(-1, keepdim=True)
             logits = kvlib.forward(big, piece, kv, pos)
             rows.append({"tokens": kv.seq_len, **memory_stats(device)})
     except torch.OutOfMemoryError as e:
@@ -167,10 +132,9 @@ def on_this_card(device, dtype, context: int, label: str) -> None:
     big, _ = kvlib.load_model("random:qwen3-4b", device=device, dtype=dtype)
     path = plots.FIGURES / "runs" / "nb02_cat_snapshot.pickle"  # git ignores figures/runs/
     path.parent.mkdir(parents=True, exist_ok=True)
-    ids = torch.randint(0, big.config.vocab_size, (1, 256),
-                        generator=torch.Generator().manual_seed(1))
+    ids = torch.zeros(1, 256, dtype=torch.long, device=device)  # any ids: the same allocations
     with memory_snapshot(path, device=device):
-        kvlib.generate(big, ids.to(device), 300, cache="cat", eos_token_id=None)
+        kvlib.generate(big, ids, 300, cache="cat", eos_token_id=None)
     rows, oom = card_run(big, context, "cat", dtype)
     big = None
     free(device)
