@@ -1,8 +1,6 @@
 """Notebook 06's machinery: the cards figure, what is live at the simulated card's peak, and the
 budget calculator. The notebook keeps what it teaches (the plan and the bandwidth floor per card,
-the bisection on the simulated card, the GPU reference against the plan); this module draws and
-formats.
-"""
+the bisection on the simulated card, the GPU reference against the plan); this module draws."""
 
 import torch
 from IPython.display import display
@@ -24,8 +22,7 @@ PLAN_LABEL = "PREDICTION from the qwen3-4b config (plan_budget: arithmetic; noth
 
 
 def card_dtype(card) -> torch.dtype:
-    """The dtype kvlib.auto_dtype picks on a card: bf16 from compute capability 8.0, else fp16
-    (2 bytes too)."""
+    """kvlib.auto_dtype's pick on a card: bf16 from compute capability 8.0, else fp16."""
     return torch.bfloat16 if card.sm >= 8.0 else torch.float16
 
 
@@ -34,20 +31,18 @@ def cards_figure(table: dict, window: int, label: str) -> Figure:
     capped at the model's window) and its tokens/s ceiling there."""
     fig, axes = plots.figure("Qwen3-4B on each card: how long a conversation, how fast at most",
                              label, size=(9.0, 4.2), panels=2, sharey=True)
-    for ax, shown, xlabel in zip(axes, (lambda r: r["context"], lambda r: 1e3 / r["ms"]),
-                                 ("longest context (tokens)", "tokens/s at most there "
-                                  "(bandwidth floor)")):
+    for ax, shown in zip(axes, (lambda r: r["context"], lambda r: 1e3 / r["ms"])):
         for j, cache in enumerate(CACHES):  # prealloc above cat in each card's row
             values = [shown(row[cache]) for row in table.values()]
             bars = ax.barh([i + (j - 0.5) * 0.4 for i in range(len(table))], values, height=0.38,
                            color=plots.CACHE_COLORS[cache], label=cache)
             ax.bar_label(bars, [f"{v:,.0f}" for v in values], padding=2, fontsize=9)
-        ax.set(xlabel=xlabel)
         ax.grid(False, axis="y")
     axes[0].set_yticks(range(len(table)), list(table))
     axes[0].invert_yaxis()
     axes[0].axvline(window, color="0.3", ls="--", lw=1, label=f"the model's window, {window:,}")
-    axes[0].set(xlim=(0, 1.3 * window))
+    axes[0].set(xlabel="longest context (tokens)", xlim=(0, 1.3 * window))
+    axes[1].set(xlabel="tokens/s at most there (bandwidth floor)")
     axes[1].margins(x=0.12)
     axes[1].legend(*axes[0].get_legend_handles_labels(), fontsize=9, loc="upper right")
     return fig
