@@ -1,6 +1,6 @@
 """Notebook 06's machinery: the cards figure, what is live at the simulated card's peak, and the
-budget calculator. The notebook keeps what it teaches (the plan and the bandwidth floor per card,
-the bisection on the simulated card, the GPU reference against the plan); this module words it."""
+budget calculator; it draws and formats. The notebook keeps what it teaches: the plan and the
+bandwidth floor per card, the bisection on the simulated card, the H200 run against its plan."""
 
 import torch
 from IPython.display import display
