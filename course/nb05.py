@@ -1,13 +1,6 @@
-"""Notebook 05's machinery: counting kernels, timing the three steps on this CPU, reading the
-H200 reference, one call a cell.
-
-The notebook keeps what it teaches (fixed addresses and shapes, the bucket arithmetic, split-KV
-attention built from its partial sums, the grid arithmetic, the fit of bytes and kernels); this
-module holds what counts, times, reads files and draws: the cache wrapper that logs attention's
-shapes, the kernel counts, the eager, static and compiled steps timed in rounds with the fit's
-figure, the H200 reference and the split-KV step's prediction, the host-sync detector, and the GPU
-run of eager, static and graph decode.
-"""
+"""Notebook 05's machinery: what counts kernels, times the three steps on this CPU and draws their
+fit, reads the H200 reference, finds host syncs, and times eager, static and graph decode on a GPU.
+The notebook keeps what it teaches (fixed shapes and addresses, buckets, split-KV, the fit)."""
 
 import re
 import statistics
@@ -30,9 +23,6 @@ from kvlib.timing import time_fn
 from . import plots, say
 from .rounds import disturbed, flag_label, report, rounds, shown, timed
 
-__all__ = ["HostSyncs", "STEPS", "ShapeLog", "fit_figure", "gpu_decode", "h200_reference",
-           "kernels_per_layer", "predict", "three_steps"]
-
 aten = torch.ops.aten
 H200_LABEL = "H200, allocator capped at 12 GiB"
 
@@ -41,8 +31,7 @@ class ShapeLog:
     """Wraps a cache; notes the shape of every K view layer 0's attention reads (section 1)."""
 
     def __init__(self, cache):
-        object.__setattr__(self, "cache", cache)
-        object.__setattr__(self, "shapes", [])
+        self.__dict__.update(cache=cache, shapes=[])  # its own: past __setattr__, which forwards
 
     def view(self, layer, seq):
         k, v = self.cache.view(layer, seq)  # [1, Hkv, seq, D], views
@@ -56,8 +45,6 @@ class ShapeLog:
     def __setattr__(self, name, value):  # StaticStep sets attributes on the cache it holds
         setattr(self.cache, name, value)
 
-
-# --- kernels per layer, before and after -----------------------------------------------------
 
 def kernels_per_layer(name="qwen3-4b", context=8192) -> dict:
     """Kernels of one decode step of ``name`` in bf16 on the ``meta`` device (shapes, no memory,
@@ -74,18 +61,15 @@ def kernels_per_layer(name="qwen3-4b", context=8192) -> dict:
     return {"layers": layers, **counts}
 
 
-# --- this CPU: the eager, static and compiled steps -------------------------------------------
-
 STEPS = ("eager", "static", "compiled")
 LAUNCH = re.compile(r"\b(?:cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.\w+\.\w+)\(")
 
 
 def three_steps(model, label, context=512, n=5) -> dict:
-    """One decode step of ``model`` attending over ``context`` slots, three ways: eager (its own
-    modules), static (:class:`kvlib.graphs.StaticStep`, uncaptured) and compiled (that step through
-    inductor, compiled once, timed apart). Kernels: :func:`kvlib.meter.count_kernels`, and for the
-    compiled step the launches of its generated code (fused C++ loops, the matmuls left to ATen).
-    Times: ms in ``n`` interleaved rounds (:mod:`course.rounds`), one line."""
+    """One decode step of ``model`` over ``context`` slots three ways: eager (its own modules),
+    static (:class:`kvlib.graphs.StaticStep`, uncaptured) and that step compiled by inductor (once,
+    timed apart). Kernels: :func:`kvlib.meter.count_kernels`; for the compiled step, the launches in
+    its generated code (fused C++ loops, the matmuls left to ATen). ms in ``n`` rounds; one line."""
     cache, pos = KVCache.for_model(model.config, context, dtype=model.dtype), context - 1
     fill(cache, pos)  # t = context - 1 slots held: the step writes the last and attends over all
     token = torch.zeros(1, 1, dtype=torch.long)
@@ -128,8 +112,6 @@ def fit_figure(runs: dict, ms_per_byte: float, ms_per_kernel: float, label: str)
     return fig
 
 
-# --- the H200 reference ----------------------------------------------------------------------
-
 def h200_reference():
     """The H200 run's graph step at 8K (its check) and 16K (the bench), its copy bandwidth, and the
     line through them: ms at zero context and µs per slot; one line. None where not committed."""
@@ -150,18 +132,6 @@ def h200_reference():
     return ref
 
 
-def predict(ref, kernels_now, kernels_after, contexts=(8192, 16384)) -> dict:
-    """PREDICTION for the H200 graph step by context, in ms: its bytes at the measured bandwidth
-    plus ``kernels_after`` kernels at the cost per kernel that the measured line's intercept
-    implies over ``kernels_now`` (the intercept less the weights' bytes, shared among them)."""
-    per_kernel_ms = (ref["intercept_ms"] - ref["weights_ms"]) / kernels_now
-    config = load_config("qwen3-4b")
-    return {c: 1e3 * decode_bytes(config, torch.bfloat16, c) / ref["bandwidth"]
-            + kernels_after * per_kernel_ms for c in contexts}
-
-
-# --- host syncs ------------------------------------------------------------------------------
-
 class HostSyncs(TorchDispatchMode):
     """Count the ops that make the host wait for the device (a value read back, an output size
     that depends on values, a copy between host and device), and the ops that draw random
@@ -172,32 +142,26 @@ class HostSyncs(TorchDispatchMode):
         self.strict, self.syncs, self.random_ops = strict, [], 0
 
     @staticmethod
-    def _waits(func, args, kwargs):
+    def _waits(func, args, kwargs) -> bool:
+        if func is aten._to_copy.default and kwargs.get("device") is not None:
+            return torch.device(kwargs["device"]).type != args[0].device.type
+        if func is aten.copy_.default and isinstance(args[1], torch.Tensor):
+            return args[0].device.type != args[1].device.type
         if torch.Tag.data_dependent_output in func.tags:
             return True
-        if torch.Tag.dynamic_output_shape not in func.tags:
-            return False
         if func is aten.index.Tensor:  # only a boolean index's size depends on its values
             return any(i is not None and i.dtype == torch.bool for i in args[1])
-        return kwargs.get("output_size") is None
+        return torch.Tag.dynamic_output_shape in func.tags and kwargs.get("output_size") is None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        crosses = False
-        if func is aten._to_copy.default and kwargs.get("device") is not None:
-            crosses = torch.device(kwargs["device"]).type != args[0].device.type
-        elif func is aten.copy_.default and isinstance(args[1], torch.Tensor):
-            crosses = args[0].device.type != args[1].device.type
-        if crosses or self._waits(func, args, kwargs):
+        if self._waits(func, args, kwargs):
             if self.strict:
                 raise RuntimeError(f"host sync: {func}")
             self.syncs.append(str(func))
-        if any(a.name == "generator" for a in func._schema.arguments):
-            self.random_ops += 1
+        self.random_ops += any(a.name == "generator" for a in func._schema.arguments)
         return func(*args, **kwargs)
 
-
-# --- on a GPU: eager, static and graph decode of the 12 GB model -----------------------------
 
 def gpu_decode(device, contexts=(2048, 8192), steps=32, bucket=256):
     """On CUDA: Qwen3-4B (random weights) in the card's dtype, ms/token of eager, static and
@@ -210,13 +174,11 @@ def gpu_decode(device, contexts=(2048, 8192), steps=32, bucket=256):
     label = kvlib.label(device, dtype, kvlib.memory.cap_memory(12, device))
     model, _ = kvlib.load_model("random:qwen3-4b", device=device, dtype=dtype)
     cache = KVCache.for_model(model.config, max(contexts) + steps + 1, device=device, dtype=dtype)
-    prompt = (torch.arange(max(contexts), device=device) * 7919 % model.config.vocab_size)
-    prompt, filled, times = prompt.view(1, -1), 0, {}
+    prompt = (torch.arange(max(contexts), device=device) * 7919 % model.config.vocab_size)[None]
+    for s in range(0, max(contexts) - 1, 512):  # prefill once: each mode decodes from its c - 1
+        forward(model, prompt[:, s:min(s + 512, max(contexts) - 1)], cache, s)
+    times = {}
     for c in contexts:
-        for s in range(filled, c - 1, 512):  # prefill once; every mode continues from c - 1
-            forward(model, prompt[:, s:min(s + 512, c - 1)], cache, s)
-        filled = c - 1
-
         def decode(mode, c=c):
             cache.seq_len = c - 1
             return 1e3 * statistics.median(kvlib.generate(

@@ -1,21 +1,16 @@
 """Notebook 06's machinery: the cards figure, what is live at the simulated card's peak, and the
-budget calculator. The notebook keeps what it teaches (``plan_budget`` per card, the bandwidth floor
-per card, the bisection on the simulated card, the GPU reference against the plan and the floor);
-what draws and formats lives here, one call per cell.
-"""
-
+budget calculator; it draws and formats. The notebook keeps what it teaches: the plan and the
+bandwidth floor per card, the bisection on the simulated card, the H200 run against its plan."""
 
 import torch
 from IPython.display import display
 from matplotlib.figure import Figure
 
 from course.simulate import simulate
-from kvlib.budget import meta_model, plan_budget
-from kvlib.cards import CARDS
+from kvlib.budget import plan_budget
 from kvlib.config import GIB, load_config
 
 from . import WIDTH, plots, wrapped  # noqa: F401 (WIDTH: the calculator's width, tested)
-from .quantities import reached, short_of
 
 CACHES = ("prealloc", "cat")  # kvlib's two caches
 SIM_LABEL = ("simulated card (meta device: exact tensor bytes; no allocator, no fragmentation, "
@@ -27,69 +22,44 @@ PLAN_LABEL = "PREDICTION from the qwen3-4b config (plan_budget: arithmetic; noth
 
 
 def card_dtype(card) -> torch.dtype:
-    """The dtype kvlib.auto_dtype picks on a card: bf16 from compute capability 8.0, else fp16
-    (2 bytes too)."""
+    """kvlib.auto_dtype's pick on a card: bf16 from compute capability 8.0, else fp16."""
     return torch.bfloat16 if card.sm >= 8.0 else torch.float16
-
-
-def cards_table(config, window: int) -> dict:
-    """Per card of the table (the course's "12 GiB" budget is the RTX 3060 row): each cache's
-    longest context by the plan, capped at the window, and the floor of a step there, in ms."""
-    def row(card, cache):
-        dtype = card_dtype(card)
-        n = min(plan_budget(config, dtype, card.memory, cache=cache).max_context, window)
-        return {"context": n, "ms": card.predicted_ms_per_token(config, dtype, n, cache)}
-
-    return {name: {cache: row(card, cache) for cache in CACHES} for name, card in CARDS.items()
-            if name != "12 GiB"}
 
 
 def cards_figure(table: dict, window: int, label: str) -> Figure:
     """Two panels, one row per card, prealloc against cat: each cache's longest context (the plan,
-    capped at the model's window) and its tokens/s ceiling there. ``table``: ``cards_table``."""
-    fig, (left, right) = plots.figure("Qwen3-4B on each card: how long a conversation, how fast "
-                                      "at most", label, size=(9.0, 4.2), panels=2, sharey=True)
-    rows = range(len(table))
-    for ax, shown in ((left, lambda r: r["context"]), (right, lambda r: 1e3 / r["ms"])):
+    capped at the model's window) and its tokens/s ceiling there."""
+    fig, axes = plots.figure("Qwen3-4B on each card: how long a conversation, how fast at most",
+                             label, size=(9.0, 4.2), panels=2, sharey=True)
+    for ax, shown in zip(axes, (lambda r: r["context"], lambda r: 1e3 / r["ms"])):
         for j, cache in enumerate(CACHES):  # prealloc above cat in each card's row
             values = [shown(row[cache]) for row in table.values()]
-            bars = ax.barh([i + (j - 0.5) * 0.4 for i in rows], values, height=0.38,
+            bars = ax.barh([i + (j - 0.5) * 0.4 for i in range(len(table))], values, height=0.38,
                            color=plots.CACHE_COLORS[cache], label=cache)
             ax.bar_label(bars, [f"{v:,.0f}" for v in values], padding=2, fontsize=9)
         ax.grid(False, axis="y")
-    left.set_yticks(rows, list(table))
-    left.invert_yaxis()
-    left.axvline(window, color="0.3", ls="--", lw=1)
-    left.text(window, 1.0, f"the model's window, {window:,}", transform=left.get_xaxis_transform(),
-              ha="center", va="bottom", fontsize=8, color="0.3")  # on its line, in its panel
-    left.set(xlabel="longest context (tokens)", xlim=(0, 1.3 * window))
-    right.set(xlabel="tokens/s at most there (bandwidth floor)")
-    right.margins(x=0.12)
-    right.legend(fontsize=9, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False)
+    axes[0].set_yticks(range(len(table)), list(table))
+    axes[0].invert_yaxis()
+    axes[0].axvline(window, color="0.3", ls="--", lw=1, label=f"the model's window, {window:,}")
+    axes[0].set(xlabel="longest context (tokens)", xlim=(0, 1.3 * window))
+    axes[1].set(xlabel="tokens/s at most there (bandwidth floor)")
+    axes[1].margins(x=0.12)
+    axes[1].legend(*axes[0].get_legend_handles_labels(), fontsize=9, loc="upper right")
     return fig
 
 
-def live_at_peak(config, tokens: int, cache: str, card: str = "12 GiB") -> str:
-    """What is live at the peak, by region, in MiB: one line. Of the two tail runs ``fits_context``
-    makes (the longest prompt; the longest whose last chunk is 511 tokens, an unaligned mask), the
-    one whose peak is higher."""
-    meta = meta_model(config, card_dtype(CARDS[card]))
+def live_at_peak(meta, tokens: int, cache: str) -> str:
+    """What is live at the peak of the simulated 12 GiB card, by region, in MiB: one line. Of the
+    two tail runs ``fits_context`` makes (the longest prompt; the longest whose last chunk is 511
+    tokens, an unaligned mask), the one whose peak is higher."""
     prompt = tokens - 4
     partial = prompt - (prompt + 1) % 512
     steps = [4] + ([tokens - partial] if 0 < partial < prompt else [])
-    run = max((simulate(meta, tokens, cache=cache, card=card, tail=True, decode=d) for d in steps),
+    run = max((simulate(meta, tokens, cache=cache, tail=True, decode=d) for d in steps),
               key=lambda r: r.peak)
     parts = ", ".join(f"{region} {nbytes / 2**20:,.0f}" for region, nbytes in run.at_peak.items()
                       if nbytes >= 2**20)
     return f"{cache} at {tokens:,} tokens: peak {run.peak / GIB:.2f} GiB; live then, MiB: {parts}"
-
-
-def reference_line(data: dict, label: str) -> str:
-    """The H200 reference (``gpu_longest``'s data and label, without the allocator setting the
-    notebook does not teach) against that run's own plan, and cat against prealloc there."""
-    return (f"REFERENCE ({label.replace(' · expandable segments off', '')}), under the real "
-            f"allocator: {reached(data)}; longest context under the cap: "
-            f"{short_of(data['prealloc'], data['cat'])}")
 
 
 def calculator_lines(model="qwen3-4b", dtype="bfloat16", batch=1, context=8192, budget_gib=12.0,
@@ -118,18 +88,16 @@ def calculator_lines(model="qwen3-4b", dtype="bfloat16", batch=1, context=8192, 
     else:
         answer = (f"longest context {window:,} tokens; the limit: the model's {window:,} positions "
                   f"(memory alone: {b.max_context:,})")
-    lines = [wrapped(f"{head} {answer}")]
+    lines = [f"{head} {answer}"]
     short = -b.breakdown(context)["free"]
     if short > 0:  # what the bar's "over by" measures: every part at the chosen context
-        lines.append(wrapped(f"at {context:,} tokens (the bar): weights, KV and workspace need "
-                             f"{(b.budget + short) / GIB:.2f} GiB, over by {short / GIB:.2f} GiB "
-                             "in all"))
+        lines.append(f"at {context:,} tokens (the bar): weights, KV and workspace need "
+                     f"{(b.budget + short) / GIB:.2f} GiB, over by {short / GIB:.2f} GiB in all")
     if context > window:
-        lines.append(wrapped(f"{context:,} tokens is past {model}'s window of {window:,}: the "
-                             "bar shows what it would take, but the model never saw positions "
-                             "that far"))
+        lines.append(f"{context:,} tokens is past {model}'s window of {window:,}: the bar shows "
+                     "what it would take, but the model never saw positions that far")
     label = f"PREDICTION from the {model} config (arithmetic) · {dtype} · batch {batch}{layout}"
-    return lines, b, label
+    return [wrapped(line) for line in lines], b, label
 
 
 def calculator(model="qwen3-4b", dtype="bfloat16", batch=1, context=8192, budget_gib=12.0, block=1,

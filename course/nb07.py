@@ -1,7 +1,6 @@
 """Notebook 07's machinery: the request trace and the real caches priced on it, the paged-attention
-kernels probed, timing in rounds, and the figures. The notebook keeps the caches it builds, what it
-times and the arithmetic it teaches.
-"""
+kernels probed, timing in rounds, and the figures; the notebook keeps the caches it builds, what it
+times and the arithmetic it teaches."""
 
 import statistics
 import warnings
@@ -12,15 +11,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from matplotlib.figure import Figure
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from kvlib.meter import fill
 from kvlib.paged_cache import OutOfBlocks
 
-from . import plots, wrapped
-from .rounds import disturbed, flag_label, flag_line, rounds, timed
+from . import plots, say
+from .rounds import disturbed, flag_label, report, rounds, timed
 
-TRACE = (Path(__file__).resolve().parents[1] / "notebooks" / "data"
-         / "azure_llm_conv_2023_sample.csv")
+TRACE = Path(__file__).resolve().parents[1] / "notebooks/data/azure_llm_conv_2023_sample.csv"
 
 
 def trace() -> tuple[np.ndarray, np.ndarray]:
@@ -30,10 +29,9 @@ def trace() -> tuple[np.ndarray, np.ndarray]:
 
 
 def priced(make, slots, keep: bool = False) -> list[tuple[int, int]]:
-    """(reserved, written) bytes of each request's cache, in order: made by ``make`` and written to
-    its ``slots`` (the first layer's write takes a pool's blocks), until a pool runs out of blocks
-    (``OutOfBlocks``); each given back before the next is made, unless ``keep`` (requests
-    decoding together)."""
+    """(reserved, written) bytes of each request's cache, in order, made by ``make`` and written to
+    its ``slots`` (layer 0's write takes a pool's blocks) until a pool runs out of blocks; each
+    given back before the next is made, unless ``keep`` (requests decoding together)."""
     out = []
     for n in slots.tolist():
         cache = make()
@@ -50,13 +48,13 @@ def priced(make, slots, keep: bool = False) -> list[tuple[int, int]]:
 def waste_figure(reserved_used: dict, requests: int, label: str) -> Figure:
     """The share of each policy's reserved KV memory that is never written, one bar a policy: the
     two preallocated caches first (the notebook's ``policies``), red and orange, the pages green."""
-    share = [1 - used / reserved for reserved, used in reserved_used.values()]
+    waste = [100 * (1 - used / reserved) for reserved, used in reserved_used.values()]
     fig, ax = plots.figure("KV memory reserved but never written", f"{requests:,} requests of the "
                            f"Azure LLM trace 2023 (conversation); Qwen3-4B bf16 · {label}",
                            "waste: 1 - used / reserved (%)", size=(10, 3.8))
-    bars = ax.barh(list(reserved_used), [100 * w for w in share],
-                   color=["tab:red", "tab:orange"] + ["tab:green"] * (len(share) - 2))
-    ax.bar_label(bars, [f"{w:.1%}" for w in share], padding=3, fontsize=8)
+    colors = ["tab:red", "tab:orange"] + ["tab:green"] * (len(waste) - 2)
+    ax.bar_label(ax.barh(list(reserved_used), waste, color=colors), fmt="{:.1f}%", fontsize=8,
+                 padding=3)
     ax.set(xlim=(0, 100))
     ax.invert_yaxis()
     return fig
@@ -70,13 +68,11 @@ def ms_rounds(calls: dict, device, n: int) -> tuple[dict, list]:
     return ms, disturbed({f"{key} (ms)": v for key, v in ms.items()})
 
 
-def in_place_kernels(device, pages: int = 256, block: int = 16, context: int = 1000) -> list[str]:
+def in_place_kernels(device, pages: int = 256, block: int = 16, context: int = 1000) -> None:
     """Attention of one query over a ``context``-token request whose blocks lie scattered in a pool
     of ``pages``, two ways: kvlib's gather + SDPA, and eager FlexAttention reading the pool in place
     through a mask of the request's slots (compiled: minutes on a CPU). One line each: the ms of
-    each (medians of rounds), and whether the results agree."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
+    each (medians of rounds), and whether the results agree: printed."""
     hq, hkv, d = 9, 3, 64  # SmolLM2's heads
     g = torch.Generator().manual_seed(0)
     k, v, q = (torch.randn(1, h, n, d, generator=g).to(device)  # K and V: one layer of a pool
@@ -92,17 +88,15 @@ def in_place_kernels(device, pages: int = 256, block: int = 16, context: int = 1
                   [:, :, :context] for t in (k, v))
         return F.scaled_dot_product_attention(q.view(1, hkv, hq // hkv, d), ks, vs).view(q.shape)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # eager flex warns that it builds the whole score matrix
-        flex = partial(flex_attention, q, k, v, block_mask=mask, enable_gqa=True)
+    flex = partial(flex_attention, q, k, v, block_mask=mask, enable_gqa=True)
+    with warnings.catch_warnings(action="ignore"):  # eager flex: "builds the whole score matrix"
         same = torch.allclose(flex(), gather_sdpa(), atol=1e-5)
         ms, flagged = ms_rounds({"gather": gather_sdpa, "flex": flex}, device, 3)
     gathered, took = (statistics.median(ms[way]) for way in ("gather", "flex"))
     copied = 2 * hkv * len(table) * block * d * 4  # K and V of its whole blocks, fp32
-    flex_line = (f"FlexAttention, eager, in place: same result {same}, {took:.2f} ms "
-                 f"({took / gathered:.1f}x the gather; medians of 3 rounds)")
-    return [wrapped(f"gather + SDPA: {gathered:.2f} ms, copies {copied:,} B per call"),
-            wrapped(flag_line(flex_line, flagged))]
+    say(f"gather + SDPA: {gathered:.2f} ms, copies {copied:,} B per call")
+    report(f"FlexAttention, eager, in place: same result {same}, {took:.2f} ms "
+           f"({took / gathered:.1f}x the gather; medians of 3 rounds)", flagged)
 
 
 def throughput_figure(per_round: dict, floor: dict, cards: dict, fits: dict, label: str,
@@ -121,12 +115,10 @@ def throughput_figure(per_round: dict, floor: dict, cards: dict, fits: dict, lab
     left.set(title="SmolLM2-135M on this machine", ylabel="tokens/s (log scale)", xticks=batches,
              yscale="log")  # the CPU's batch 1 and its limit differ several-fold
     for (card, curve), color in zip(cards.items(), ("tab:blue", "tab:purple")):  # not the fits'
-        right.plot(list(curve), list(curve.values()), color=color,
-                   label=f"{card}: bandwidth limit (tokens/s)")
+        right.plot(*zip(*curve.items()), color=color, label=f"{card}: bandwidth limit (tokens/s)")
         right.plot(list(fits.values()), [curve[b] for b in fits.values()], "o", color=color)
-    for (name, b), color in zip(fits.items(), ("tab:red", "tab:orange", "tab:green")):
-        right.axvline(b, color=color, ls=":",
-                      label=f"fits 12 GiB at {context:,} tokens: {name} ({b})")
+    for (name, b), c in zip(fits.items(), ("tab:red", "tab:orange", "tab:green")):
+        right.axvline(b, color=c, ls=":", label=f"fits 12 GiB at {context:,} tokens: {name} ({b})")
     right.set(title="Qwen3-4B bf16: bandwidth limit, an upper bound, not a forecast",
               ylabel="tokens/s", xlim=(0, max(fits.values()) + 1))
     for ax in (left, right):
@@ -136,19 +128,16 @@ def throughput_figure(per_round: dict, floor: dict, cards: dict, fits: dict, lab
 
 
 def gathers(paged, n: int) -> None:
-    """Each layer's view of ``n + 1`` slots, dropped before the next, as a step's attention reads
-    them: what pages add to a step in eager PyTorch."""
+    """Each layer's view of ``n + 1`` slots as attention reads them: what pages add to a step."""
     for layer in range(paged.n_layers):
         paged.view(layer, n + 1)
 
 
 def paging_figure(round_ms: dict, predicted: dict, label: str, flagged: list) -> Figure:
-    """What reading pages adds per step (``round_ms["paging adds at {n}"]``) and the gathers
-    alone, medians with the range of the rounds, beside the prediction; a disturbed run said in
-    the label."""
-    contexts = sorted(predicted)
-    series = {"PREDICTION: 2 x gather bytes / copy bandwidth": (contexts,
-                                                                [predicted[n] for n in contexts])}
+    """What reading pages adds per step and the gathers alone, medians with the range of the
+    rounds, beside the prediction (``{context: ms}``); a disturbed run said in the label."""
+    contexts = list(predicted)
+    series = {"PREDICTION: 2 x gather bytes / copy bandwidth": (contexts, list(predicted.values()))}
     for kind, name in (("paging adds", "paged step minus prealloc step, round by round"),
                        ("gathers alone", "gathers alone (view(): a new tensor per layer)")):
         runs = [round_ms[f"{kind} at {n}"] for n in contexts]
