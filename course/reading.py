@@ -18,6 +18,7 @@ NOTEBOOK_MINUTES, COURSE_MINUTES, HEDGES = 30, 300, 12
 HEDGE_WORDS = ("verdict", "disturb", "prediction", "borne out", "within the spread",
                "this run", "original design", "not measurable", "not explained", "hypothesis")
 ROOT = Path(__file__).resolve().parents[1] / "notebooks"
+COUNTS = ("md_words", "code_lines", "output_words", "hedges")
 
 
 def _text(value):
@@ -56,14 +57,11 @@ def notebooks(root=ROOT):
 
 def table(root=ROOT):
     rows = [load(p) for p in notebooks(root)]
-    lines = ["| notebook | minutes | md words | code lines | output words | hedges |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['notebook']} | {r['minutes']:.0f} | {r['md_words']:,} | {r['code_lines']:,} "
-              f"| {r['output_words']:,} | {r['hedges']} |" for r in rows]
-    total = sum(r["minutes"] for r in rows)
-    lines.append(f"| all | {total:.0f} | {sum(r['md_words'] for r in rows):,} "
-                 f"| {sum(r['code_lines'] for r in rows):,} "
-                 f"| {sum(r['output_words'] for r in rows):,} | {sum(r['hedges'] for r in rows)} |")
+    total = {"notebook": "all"} | {k: sum(r[k] for r in rows) for k in ("minutes", *COUNTS)}
+    head = "| notebook | minutes | " + " | ".join(k.replace("_", " ") for k in COUNTS) + " |"
+    lines = [head, "|---" * 6 + "|"]
+    lines += [f"| {r['notebook']} | {r['minutes']:.0f} | " + " | ".join(f"{r[k]:,}" for k in COUNTS)
+              + " |" for r in rows + [total]]
     return rows, "\n".join(lines)
 
 
