@@ -44,8 +44,8 @@ STATIC = ("cache" if version.parse(transformers.__version__) >= version.parse("5
 
 
 def ms_per_token(model, prompt, kind: str, steps: int, chunk: int) -> float:
-    """Median decode-step time, in ms, after ``prompt``: the prefill is not counted. Starts from a
-    freed allocator: from what is live, not from what the last measurement left cached."""
+    """Median decode-step time, in ms, after ``prompt`` (not counting the prefill), from a freed
+    allocator: from what is live, not from what the last measurement left cached."""
     free(model.device)
     if kind in METERED:
         return 1e3 * statistics.median(generate(model, prompt, steps + 1, cache=kind,
@@ -84,9 +84,9 @@ def cache_bytes_per_step(model, context: int, kind: str) -> int:
 
 def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=None,
         rounds_n=5) -> dict:
-    """Everything above for one model on one device; returns the results dict printed as JSON.
-    A cache's ``rounds_ms`` are its rounds at each context (none where every round ran out of
-    memory), ``ms_per_token`` their median and ``spread_ms`` their (min, max)."""
+    """Everything above, the dict printed as JSON. A cache's ``rounds_ms`` are its rounds at each
+    context (none where all ran out of memory), ``ms_per_token`` their median, ``spread_ms`` their
+    (min, max)."""
     device = resolve(device)
     on_gpu, cap = device.type == "cuda", cap_memory(budget_gib, device)
     model, _ = load_model(model_name, device=device)

@@ -47,10 +47,9 @@ def _longest(config, budget: int, weights: int, kv=None) -> int | None:
 
 def formats(context: int = 32_768, budget: int = 12 * GIB, window: int = 1_020,
             sinks: int = 4) -> list[dict]:
-    """One row per way of storing a token's KV, in bf16 unless quantized: its bytes per token of a
-    ``context``-token sequence (the whole cache over ``context``), the plan's longest context on
-    ``budget`` beside the model's bf16 weights, and the model's positions (None for a ring
-    numbered by places in the cache, which never runs out of them)."""
+    """One row per way of storing a token's KV, in bf16 unless quantized: bytes per token of a
+    ``context``-token sequence, the plan's longest context on ``budget``, and the model's positions
+    (None for a ring numbered by places in the cache, which never runs out of them)."""
     rows = []
     for name, design in DESIGNS.items():
         config = load_config(name)
@@ -102,9 +101,7 @@ def _nll(model, cache, ids, chunk: int) -> torch.Tensor:
 
 
 def stream(model, ids, window: int = 1_020, sinks: int = 4, chunk: int = 64) -> dict:
-    """``ids [1, N]`` through four caches: the full cache up to the model's positions, a window of
-    ``window + sinks`` slots alone, and ``window`` + ``sinks`` at positions in the text and at
-    places in the cache. ``{name: per-token NLL}``."""
+    """``{cache's name: per-token NLL}`` of ``ids [1, N]`` through each of four caches."""
     cfg, kw = model.config, dict(device=model.device, dtype=model.dtype)
     trained = cfg.max_position_embeddings
     sunk = partial(RingCache.for_model, cfg, window, sinks=sinks, **kw)
@@ -142,8 +139,7 @@ def stream_figure(runs: dict, label: str, trained: int, window: int, bucket: int
 
 
 def stream_reference(directory=plots.FIGURES) -> Image:
-    """The committed long stream: its label, one line per cache (perplexity from the full window to
-    the model's last position, and past it), and its figure."""
+    """The committed long stream: its label, one line per cache, and its figure."""
     data, label = plots.load("deep_bytes_stream", directory)
     say(f"reference run: {label}")
     for name, (within, past) in data["spans"].items():

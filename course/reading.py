@@ -1,11 +1,9 @@
 """The reading load of each notebook, counted from its committed JSON.
 
 A learner has an afternoon: every notebook should read in at most 30 minutes and the whole
-course (deep dives included) in at most 300. The rates are a reader's, not a skimmer's:
-markdown at 140 words a minute, printed output at 200, non-blank code lines at 25. Hedges
-count the words that talk about the measuring rather than the cache; a notebook keeps at
-most 12. ``python -m course.reading`` prints the table; ``tests/test_reading.py`` holds the
-budget.
+course (deep dives included) in at most 300, at a reader's rates, not a skimmer's. Hedges count
+the words that talk about the measuring rather than the cache; a notebook keeps at most 12.
+``python -m course.reading`` prints the table; ``tests/test_reading.py`` holds the budget.
 """
 
 import json
@@ -13,7 +11,7 @@ import re
 import sys
 from pathlib import Path
 
-MD_WPM, OUTPUT_WPM, CODE_LPM = 140, 200, 25
+MD_WPM, OUTPUT_WPM, CODE_LPM = 140, 200, 25  # markdown words, output words, non-blank code lines
 NOTEBOOK_MINUTES, COURSE_MINUTES, HEDGES = 30, 300, 12
 HEDGE_WORDS = ("verdict", "disturb", "prediction", "borne out", "within the spread",
                "this run", "original design", "not measurable", "not explained", "hypothesis")
