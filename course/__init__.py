@@ -1,9 +1,5 @@
-"""The course's own tooling, kept out of kvlib so that kvlib holds only the final code.
-
-``plots``: one look for every figure, and figures saved with the numbers that drew them.
-``rounds``: timing in rounds, and the one rule that flags a disturbed run.
-``bench``: ``python -m course.bench``, every cache measured in one run, the reference figures.
-"""
+"""The course's own tooling, kept out of kvlib so that kvlib holds only the final code; here the
+printed line's width, which every module's printing keeps to."""
 
 import textwrap
 

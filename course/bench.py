@@ -6,10 +6,8 @@ One process, one model, one prompt, several context lengths: decode time per tok
 bytes kvlib's caches allocate per decode step (the meter); the bandwidth floor and the fraction of
 it reached (MBU); on a GPU, CUDA-graph decode against eager. Speed is compared as ratios, in one
 run, timed in rounds (:mod:`course.rounds`). The longest context on a real card is the GPU check's
-(``tests/gpu_memory.py``, run with nothing else alive), not the bench's.
-
-A progress bar goes to stderr; the last line on stdout is one JSON object. ``--out DIR`` also writes
-the figures (PNG + JSON, labelled) and ``bench.md``.
+(``tests/gpu_memory.py``). A progress bar goes to stderr; the last line on stdout is one JSON
+object. ``--out DIR`` also writes it (``bench.json``), the figures (PNG + JSON) and ``bench.md``.
 """
 
 import argparse
@@ -23,7 +21,7 @@ import torch
 import transformers
 from packaging import version
 from tqdm import tqdm
-from transformers import StaticCache, StoppingCriteria, StoppingCriteriaList
+from transformers import StaticCache, StoppingCriteriaList
 from transformers.utils import logging as hf_logging
 
 from kvlib.bandwidth import decode_bytes, floor_s_per_token, measure_bandwidth
@@ -41,55 +39,42 @@ from .simulate import MAKE
 
 CACHES = ("prealloc", "cat", "hf_dynamic", "hf_static")
 METERED = ("prealloc", "cat")  # kvlib's own caches: the meter can split their bytes out
-
-
-class _Clock(StoppingCriteria):
-    """Times each of ``model.generate``'s steps: it is called once per new token."""
-
-    def __init__(self, device):
-        self.timer, self.started = StepTimer(device), False
-
-    def __call__(self, input_ids, scores, **kwargs):
-        if self.started:
-            self.timer.stop()
-        self.timer.start()
-        self.started = True
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
-def hf_static_cache(model, max_cache_len: int) -> dict:
-    """``generate`` keyword arguments for a ``StaticCache`` of exactly ``max_cache_len`` slots
-    (``cache_implementation="static"`` never sizes a cache below the largest before it)."""
-    new = version.parse(transformers.__version__) >= version.parse("5.24")
-    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
-    return {"cache" if new else "past_key_values": cache}
+STATIC = ("cache" if version.parse(transformers.__version__) >= version.parse("5.24")
+          else "past_key_values")  # generate's StaticCache argument, renamed in transformers 5.24
 
 
 def ms_per_token(model, prompt, kind: str, steps: int, chunk: int) -> float:
-    """Median decode-step time, in ms, after ``prompt``: the prefill is not counted."""
+    """Median decode-step time, in ms, after ``prompt`` (not counting the prefill), from a freed
+    allocator: from what is live, not from what the last measurement left cached."""
+    free(model.device)
     if kind in METERED:
-        times = generate(model, prompt, steps + 1, cache=kind, eos_token_id=None,
-                         prefill_chunk=chunk, timed=True).step_s
-    else:
-        clock = _Clock(model.device)
-        static = hf_static_cache(model, prompt.shape[1] + steps + 1) if kind == "hf_static" else {}
-        # disable_compile: on CUDA, generate compiles itself for a StaticCache, once per length;
-        # this row is transformers' eager loop, the one kvlib's eager loop is compared with.
-        model.generate(prompt, max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False,
-                       stopping_criteria=StoppingCriteriaList([clock]), pad_token_id=0,
-                       disable_compile=True, **static)
-        times = clock.timer.times_s
-    return 1e3 * statistics.median(times)
+        return 1e3 * statistics.median(generate(model, prompt, steps + 1, cache=kind,
+                                                eos_token_id=None, prefill_chunk=chunk,
+                                                timed=True).step_s)
+    timer = StepTimer(model.device)
 
+    def tick(input_ids, scores, **kwargs):  # a stopping criterion: called once per new token
+        timer.stop()
+        timer.start()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
-def _cache(model, kind: str, n: int):
-    return MAKE[kind](model.config, n, device=model.device, dtype=model.dtype)
+    # exactly the slots it needs: cache_implementation="static" never sizes one below the largest
+    static = {} if kind == "hf_dynamic" else {STATIC: StaticCache(
+        config=model.config, max_cache_len=prompt.shape[1] + steps + 1)}
+    timer.start()
+    # disable_compile: on CUDA, generate compiles itself for a StaticCache, once per length;
+    # this row is transformers' eager loop, the one kvlib's eager loop is compared with.
+    model.generate(prompt, max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False,
+                   stopping_criteria=StoppingCriteriaList([tick]), pad_token_id=0,
+                   disable_compile=True, **static)
+    return 1e3 * statistics.median(timer.times_s[1:])  # the first: the prefill and first token
 
 
 def cache_bytes_per_step(model, context: int, kind: str) -> int:
     """Bytes the cache allocates in the decode step that writes slot ``context``, after
     ``context`` slots of zeros: what a step allocates depends on how much the cache holds."""
-    cache = _cache(model, kind, context + 1)
+    free(model.device)  # as ms_per_token
+    cache = MAKE[kind](model.config, context + 1, device=model.device, dtype=model.dtype)
     fill(cache, context)
     with AllocMeter() as meter:
         forward(model, torch.zeros(1, 1, dtype=torch.long, device=model.device),
@@ -97,20 +82,11 @@ def cache_bytes_per_step(model, context: int, kind: str) -> int:
     return meter.by_region.get("cache", 0)
 
 
-def _freed(fn, model, *args):
-    """``fn(model, *args)`` from a freed allocator: a measurement starts from what is live, not
-    from what the last one left cached."""
-    free(model.device)
-    return fn(model, *args)
-
-
-def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=None, rounds_n=5,
-        progress=True) -> dict:
-    """Everything above for one model on one device; returns the results dict printed as JSON.
-
-    A cache's ``rounds_ms`` are its rounds at each context (none where every round ran out of
-    memory), ``ms_per_token`` their median and ``spread_ms`` their (min, max).
-    """
+def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=None,
+        rounds_n=5) -> dict:
+    """Everything above, the dict printed as JSON. A cache's ``rounds_ms`` are its rounds at each
+    context (none where all ran out of memory), ``ms_per_token`` their median, ``spread_ms`` their
+    (min, max)."""
     device = resolve(device)
     on_gpu, cap = device.type == "cuda", cap_memory(budget_gib, device)
     model, _ = load_model(model_name, device=device)
@@ -121,16 +97,15 @@ def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, config.vocab_size, (1, max(contexts)), generator=gen).to(device)
     # course.rounds keeps nothing from a round out of memory: a missing number, never a guess
-    timed = [rounds({k: partial(_freed, ms_per_token, model, prompt[:, :c], k, steps, chunk)
+    timed = [rounds({k: partial(ms_per_token, model, prompt[:, :c], k, steps, chunk)
                      for k in CACHES}, rounds_n)
-             for c in tqdm(contexts, desc="decode", file=sys.stderr, disable=not progress)]
+             for c in tqdm(contexts, desc="decode", file=sys.stderr)]
     caches = {k: {"rounds_ms": [t[k] for t in timed]} for k in CACHES}
     for k, v in caches.items():
         v["ms_per_token"] = [statistics.median(ms) if ms else None for ms in v["rounds_ms"]]
         v["spread_ms"] = [(min(ms), max(ms)) if ms else None for ms in v["rounds_ms"]]
         if k in METERED:
-            got = rounds({c: partial(_freed, cache_bytes_per_step, model, c, k)
-                          for c in contexts}, 1)
+            got = rounds({c: partial(cache_bytes_per_step, model, c, k) for c in contexts}, 1)
             v["cache_bytes_per_step"] = [b[0] if b else None for b in got.values()]
     bw = measure_bandwidth(device)
     floor = [1e3 * floor_s_per_token(decode_bytes(config, dtype, c), bw) for c in contexts]
@@ -157,7 +132,8 @@ def run(model_name: str, device, budget_gib: float = 12.0, contexts=None, steps=
 
 
 def figures(res: dict, out: Path) -> None:
-    """The reference figures the notebooks load, each with its label and numbers."""
+    """The reference figures the notebooks load, each with its label and numbers; ``bench.json``
+    (everything) and ``bench.md`` (:func:`table`)."""
     where, cs, caches = res["label"], res["contexts"], res["caches"]
 
     def measured(*columns):  # (contexts, *columns) where the first was measured: an OOM has none
@@ -175,6 +151,7 @@ def figures(res: dict, out: Path) -> None:
     floor = res["bandwidth"]["floor_ms"]
     fig = plots.against_floor(*measured(caches["prealloc"]["ms_per_token"], floor), where)
     plots.save(fig, "bench_floor", res["bandwidth"] | {"contexts": cs}, where, out)
+    (out / "bench.json").write_text(json.dumps({"label": where, "data": res}, indent=1) + "\n")
     (out / "bench.md").write_text(table(res))
 
 
@@ -213,24 +190,20 @@ def table(res: dict) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m course.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
-    p.add_argument("--model", default=None,
-                   help="default: smollm2-135m on CPU, random:qwen3-4b on GPU")
+    p.add_argument("--device", help="cuda or cpu (default: cuda if present)")
+    p.add_argument("--model", help="default: smollm2-135m on CPU, random:qwen3-4b on GPU")
     p.add_argument("--budget-gib", type=float, default=12.0,
                    help="cap a bigger GPU's allocator (GiB)")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: two short contexts, few steps")
-    p.add_argument("--out", type=Path, default=None, help="write figures, JSON and bench.md here")
+    p.add_argument("--out", type=Path, help="write figures, JSON and bench.md here")
     a = p.parse_args(argv)
     hf_logging.set_verbosity_error()
     device = torch.device(a.device or default_device())
     model = a.model or ("random:qwen3-4b" if device.type == "cuda" else "smollm2-135m")
-    quick = dict(contexts=[64, 256], steps=3, rounds_n=1) if a.quick else {}
-    res = run(model, device, a.budget_gib, **quick)
+    res = run(model, device, a.budget_gib, **(dict(contexts=[64, 256], steps=3, rounds_n=1)
+                                               if a.quick else {}))
     if a.out:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "bench.json").write_text(json.dumps({"label": res["label"], "data": res},
-                                                     indent=1) + "\n")
         figures(res, a.out)
     print(json.dumps(res))
 

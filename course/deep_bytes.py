@@ -1,14 +1,14 @@
 """The deep dive "fewer bytes by design": the KV formats priced from their configs on one chart, a
-long stream of text over full, windowed and sink caches scored stretch by stretch, and the latent
-cache's bytes against the same model's K and V.
-
-The notebook keeps what it teaches: the formulas, the ring's positions, the latent cache's parity.
+long stream of text over full, windowed and sink caches scored stretch by stretch (``python -m
+course.deep_bytes``), and the latent cache's bytes against the same model's K and V. The notebook
+keeps what it teaches: the formulas, the ring's positions, the latent cache's parity.
 """
 
 import argparse
 import time
 from functools import partial
 from pathlib import Path
+from pydoc_data.topics import topics  # the stream: every section of Python's help text, in order
 
 import torch
 import torch.nn.functional as F
@@ -24,27 +24,21 @@ from kvlib.config import GIB, kv_bytes, kv_bytes_per_token, load_config
 from . import plots, say
 from .nb08 import chunk_logits
 
-__all__ = ["formats", "formats_figure", "long_text", "stream", "stream_figure", "stream_reference"]
-
 BF16, KIB = torch.bfloat16, 1024
-DESIGNS = {  # shipped config -> how its layers store K and V
-    "llama-2-7b": "MHA", "llama-3-8b": "GQA", "qwen3-4b": "GQA",
-    "gemma-3-4b": "GQA, 5 of 34 layers global", "deepseek-v2-lite": "MLA",
-}
+DESIGNS = {"llama-2-7b": "MHA", "llama-3-8b": "GQA", "qwen3-4b": "GQA",  # how layers store K, V
+           "gemma-3-4b": "GQA, 5 of 34 layers global", "deepseek-v2-lite": "MLA"}
 THREADS = {"by design": "tab:blue", "by quantizing": "tab:orange", "by forgetting": "tab:green"}
 
 
 def _longest(config, budget: int, weights: int, kv=None) -> int | None:
-    """The plan's longest context: weights, KV and the workspace of kvlib's token loop within
-    ``budget``, priced as :func:`kvlib.budget.plan_budget` prices them (for Qwen3-4B in bf16, its
-    number exactly); ``kv(tokens)``: the KV of that many (default: the config's, whose windowed
-    layers stop growing). None if the weights alone do not fit; -1 if the KV stops growing (a
-    ring): no length runs it out."""
+    """The plan's longest context, priced as :func:`kvlib.budget.plan_budget` prices it (weights,
+    KV and the token loop's workspace); ``kv(tokens)``: the KV of that many (default: the config's,
+    whose windowed layers stop growing). None if the weights alone do not fit; -1 if the KV stops
+    growing (a ring): no length runs it out."""
     if weights >= budget:
         return None
     kv = kv or partial(kv_bytes, config, BF16)
-    per_token = kv(10**9 + 1) - kv(10**9)  # past every window
-    if not per_token:
+    if not (per_token := kv(10**9 + 1) - kv(10**9)):  # past every window
         return -1
     return Budget(weights, per_token, budget, partial(run_workspace, config, BF16),
                   kv_at=kv).max_context
@@ -52,10 +46,9 @@ def _longest(config, budget: int, weights: int, kv=None) -> int | None:
 
 def formats(context: int = 32_768, budget: int = 12 * GIB, window: int = 1_020,
             sinks: int = 4) -> list[dict]:
-    """One row per way of storing a token's KV, in bf16 unless quantized: its bytes per token of a
-    ``context``-token sequence (the whole cache over ``context``), the plan's longest context on
-    ``budget`` beside the model's bf16 weights (:func:`_longest`), and the model's positions (None
-    for a ring numbered by places in the cache, which never runs out of them)."""
+    """One row per way of storing a token's KV, in bf16 unless quantized: bytes per token of a
+    ``context``-token sequence, the plan's longest context on ``budget``, and the model's positions
+    (None for a ring numbered by places in the cache, which never runs out of them)."""
     rows = []
     for name, design in DESIGNS.items():
         config = load_config(name)
@@ -66,14 +59,14 @@ def formats(context: int = 32_768, budget: int = 12 * GIB, window: int = 1_020,
                          longest=_longest(config, budget, weights),
                          positions=config.max_position_embeddings))
     qwen, base = load_config("qwen3-4b"), rows[2]
+    longest = partial(_longest, qwen, budget, base["weights"])
     for kv in ("int8", "int4"):
         per = kv_bytes_per_token(qwen, kv)
         rows.append(dict(base, how=f"{kv} codes + scales", thread="by quantizing", per_token=per,
-                         longest=_longest(qwen, budget, base["weights"], lambda c, p=per: p * c)))
+                         longest=longest(lambda c, p=per: p * c)))
     ring = (window + sinks) * kv_bytes_per_token(qwen, BF16)  # held whatever the length
     rows.append(dict(base, how=f"ring {window} + {sinks} sinks", thread="by forgetting",
-                     per_token=ring / context, positions=None,  # places in the cache: no end
-                     longest=_longest(qwen, budget, base["weights"], lambda c: ring)))
+                     per_token=ring / context, positions=None, longest=longest(lambda c: ring)))
     return rows
 
 
@@ -81,15 +74,14 @@ def formats_figure(rows: list[dict], context: int, label: str) -> Figure:
     """KV bytes per token of a ``context``-token sequence, each way of saving them on one chart."""
     fig, ax = plots.figure(f"KV bytes per token of a {context:,}-token sequence (its cache / "
                            f"{context:,})", label, "KiB per token (log scale)", size=(7.5, 3.8))
-    names = [f"{r['name']}: {r['how']}" for r in rows]
-    ax.barh(range(len(rows)), [r["per_token"] / KIB for r in rows],
-            color=[THREADS[r["thread"]] for r in rows])
-    for i, r in enumerate(rows):
-        ax.text(r["per_token"] / KIB, i, f"  {r['per_token'] / KIB:,.1f}", va="center", fontsize=8)
-    ax.set_yticks(range(len(rows)), names, fontsize=8)
+    kib = [r["per_token"] / KIB for r in rows]
+    bars = ax.barh([f"{r['name']}: {r['how']}" for r in rows], kib,
+                   color=[THREADS[r["thread"]] for r in rows])
+    ax.bar_label(bars, [f"  {v:,.1f}" for v in kib], fontsize=8)
+    ax.tick_params(axis="y", labelsize=8)
     ax.invert_yaxis()
     ax.set_xscale("log")  # 4 KiB to 512 KiB: every bar readable
-    ax.set_xlim(1, 3 * max(r["per_token"] for r in rows) / KIB)
+    ax.set_xlim(1, 3 * max(kib))
     ax.grid(False, axis="y")
     ax.legend(handles=[Patch(color=c, label=t) for t, c in THREADS.items()], fontsize=8,
               loc="lower right")
@@ -103,35 +95,20 @@ def formats_figure(rows: list[dict], context: int, label: str) -> Figure:
 def _nll(model, cache, ids, chunk: int) -> torch.Tensor:
     """``[N - 1]``: each next token's negative log-likelihood over ``cache``, chunk by chunk (a
     stream's logits at every position would not fit in memory)."""
-    out = []
-    for start, logits in zip(range(0, ids.shape[1], chunk), chunk_logits(model, cache, ids, chunk)):
-        targets = ids[0, start + 1:start + 1 + len(logits)]
-        out.append(F.cross_entropy(logits[:len(targets)], targets, reduction="none"))
-    return torch.cat(out)
+    return torch.cat([F.cross_entropy(logits[:len(t)], t, reduction="none") for t, logits in
+                      zip(ids[0, 1:].split(chunk), chunk_logits(model, cache, ids, chunk))])
 
 
 def stream(model, ids, window: int = 1_020, sinks: int = 4, chunk: int = 64) -> dict:
-    """``ids [1, N]`` through four caches: the full cache up to the model's positions, a window of
-    ``window + sinks`` slots alone, and ``window`` + ``sinks`` at positions in the text and at
-    places in the cache. ``{name: per-token NLL}``."""
+    """``{cache's name: per-token NLL}`` of ``ids [1, N]`` through each of four caches."""
     cfg, kw = model.config, dict(device=model.device, dtype=model.dtype)
     trained = cfg.max_position_embeddings
-    caches = {
-        "full cache": (KVCache.for_model(cfg, trained, **kw), trained),
-        f"window {window + sinks}": (RingCache.for_model(cfg, window + sinks, **kw), None),
-        f"{sinks} sinks + {window}, positions in the text": (RingCache.for_model(
-            cfg, window, sinks=sinks, **kw), None),
-        f"{sinks} sinks + {window}, places in the cache": (RingCache.for_model(
-            cfg, window, sinks=sinks, positions="cache", **kw), None),
-    }
+    sunk = partial(RingCache.for_model, cfg, window, sinks=sinks, **kw)
+    caches = {"full cache": (KVCache.for_model(cfg, trained, **kw), trained),
+              f"window {window + sinks}": (RingCache.for_model(cfg, window + sinks, **kw), None),
+              f"{sinks} sinks + {window}, positions in the text": (sunk(), None),
+              f"{sinks} sinks + {window}, places in the cache": (sunk(positions="cache"), None)}
     return {name: _nll(model, cache, ids[:, :n], chunk) for name, (cache, n) in caches.items()}
-
-
-def long_text(tok, n: int) -> torch.Tensor:
-    """``[1, n]``: the first ``n`` tokens of every section of Python's own help text, in order."""
-    from pydoc_data.topics import topics
-    text = "\n\n".join(topics[k] for k in sorted(topics))
-    return tok(text, return_tensors="pt")["input_ids"][:, :n]
 
 
 def stream_figure(runs: dict, label: str, trained: int, window: int, bucket: int = 512,
@@ -161,9 +138,7 @@ def stream_figure(runs: dict, label: str, trained: int, window: int, bucket: int
 
 
 def stream_reference(directory=plots.FIGURES) -> Image:
-    """The committed long stream (``python -m course.deep_bytes --out figures``): its label, one
-    line per cache (perplexity from the full window to the model's last position, and past it),
-    and its figure."""
+    """The committed long stream: its label, one line per cache, and its figure."""
     data, label = plots.load("deep_bytes_stream", directory)
     say(f"reference run: {label}")
     for name, (within, past) in data["spans"].items():
@@ -175,14 +150,13 @@ def stream_reference(directory=plots.FIGURES) -> Image:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m course.deep_bytes",
                                 description="Run the long stream once; save it as a figure.")
-    p.add_argument("--tokens", type=int, default=12_288)
-    p.add_argument("--window", type=int, default=1_020)
-    p.add_argument("--sinks", type=int, default=4)
-    p.add_argument("--chunk", type=int, default=64)
+    for flag, default in (("tokens", 12_288), ("window", 1_020), ("sinks", 4), ("chunk", 64)):
+        p.add_argument(f"--{flag}", type=int, default=default)
     p.add_argument("--out", default=None, help="folder (default: figures/runs/)")
     a = p.parse_args(argv)
     model, tok = kvlib.load_model("smollm2-135m", device="cpu", dtype=torch.float32)
-    ids, start = long_text(tok, a.tokens), time.time()
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    ids, start = tok(text, return_tensors="pt")["input_ids"][:, :a.tokens], time.time()
     runs = stream(model, ids, a.window, a.sinks, a.chunk)
     label = (f"{kvlib.label('cpu', torch.float32)} · smollm2-135m · Python's help text, "
              f"{ids.shape[1]:,} tokens in chunks of {a.chunk}")

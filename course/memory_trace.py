@@ -1,6 +1,5 @@
 """The allocator's own event history on a GPU, for https://pytorch.org/memory_viz (notebook 02
-and the GPU check); off CUDA it records nothing. (Memory against length, row by row, is the GPU
-check's ``tests/gpu_memory.py``.)
+and the GPU check); memory against length, row by row, is the GPU check's ``tests/gpu_memory.py``.
 """
 
 import os
@@ -10,8 +9,6 @@ from contextlib import contextmanager
 import torch
 
 from kvlib.env import default_device, resolve
-
-__all__ = ["memory_snapshot"]
 
 
 @contextmanager

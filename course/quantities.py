@@ -1,8 +1,7 @@
 """The numbers the course quotes in more than one notebook, each from one function here: computed
 (the simulated card's longest context) or read from the committed GPU reference
-(``figures/h200/gpu_longest.json``), each line naming what its numbers are. The plan's numbers
-come from ``kvlib.budget.plan_budget`` itself. ``tests/test_consistency.py`` holds every
-notebook's printed lines to one value per quantity."""
+(``figures/h200/gpu_longest.json``), each line naming what its numbers are.
+``tests/test_consistency.py`` holds every notebook's printed lines to one value per quantity."""
 
 from kvlib.budget import plan_budget
 from kvlib.config import MIB
@@ -44,8 +43,7 @@ def reached(data: dict) -> str:
 def reference_caches(data: dict) -> str:
     """Both caches in the H200 reference's longest-context runs: how far cat fell short, and the
     allocator's reserved above allocated (prealloc: at the peak of each trial run that fit; cat:
-    after each 512-token prefill chunk of its longest run). Not the decode steps of notebook 00's
-    timeline run, a different run."""
+    after each 512-token prefill chunk of its longest run), not notebook 00's timeline run."""
     fit = [t["peak_reserved"] - t["peak_allocated"] for t in data["tries"]["prealloc"] if t["fits"]]
     cat = max(r["reserved"] - r["allocated"] for r in data["cat_trace"])
     return (f"REFERENCE ({H200}), longest context under the cap: "

@@ -1,11 +1,9 @@
 """The reading load of each notebook, counted from its committed JSON.
 
 A learner has an afternoon: every notebook should read in at most 30 minutes and the whole
-course (deep dives included) in at most 300. The rates are a reader's, not a skimmer's:
-markdown at 140 words a minute, printed output at 200, non-blank code lines at 25. Hedges
-count the words that talk about the measuring rather than the cache; a notebook keeps at
-most 12. ``python -m course.reading`` prints the table; ``tests/test_reading.py`` holds the
-budget.
+course (deep dives included) in at most 300, at a reader's rates, not a skimmer's. Hedges count
+the words that talk about the measuring rather than the cache; a notebook keeps at most 12.
+``python -m course.reading`` prints the table; ``tests/test_reading.py`` holds the budget.
 """
 
 import json
@@ -13,11 +11,12 @@ import re
 import sys
 from pathlib import Path
 
-MD_WPM, OUTPUT_WPM, CODE_LPM = 140, 200, 25
+MD_WPM, OUTPUT_WPM, CODE_LPM = 140, 200, 25  # markdown words, output words, non-blank code lines
 NOTEBOOK_MINUTES, COURSE_MINUTES, HEDGES = 30, 300, 12
 HEDGE_WORDS = ("verdict", "disturb", "prediction", "borne out", "within the spread",
                "this run", "original design", "not measurable", "not explained", "hypothesis")
 ROOT = Path(__file__).resolve().parents[1] / "notebooks"
+COUNTS = ("md_words", "code_lines", "output_words", "hedges")
 
 
 def _text(value):
@@ -56,14 +55,11 @@ def notebooks(root=ROOT):
 
 def table(root=ROOT):
     rows = [load(p) for p in notebooks(root)]
-    lines = ["| notebook | minutes | md words | code lines | output words | hedges |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['notebook']} | {r['minutes']:.0f} | {r['md_words']:,} | {r['code_lines']:,} "
-              f"| {r['output_words']:,} | {r['hedges']} |" for r in rows]
-    total = sum(r["minutes"] for r in rows)
-    lines.append(f"| all | {total:.0f} | {sum(r['md_words'] for r in rows):,} "
-                 f"| {sum(r['code_lines'] for r in rows):,} "
-                 f"| {sum(r['output_words'] for r in rows):,} | {sum(r['hedges'] for r in rows)} |")
+    total = {"notebook": "all"} | {k: sum(r[k] for r in rows) for k in ("minutes", *COUNTS)}
+    head = "| notebook | minutes | " + " | ".join(k.replace("_", " ") for k in COUNTS) + " |"
+    lines = [head, "|---" * 6 + "|"]
+    lines += [f"| {r['notebook']} | {r['minutes']:.0f} | " + " | ".join(f"{r[k]:,}" for k in COUNTS)
+              + " |" for r in rows + [total]]
     return rows, "\n".join(lines)
 
 

@@ -1,14 +1,11 @@
 """Timing in rounds, for every measurement of the course and the bench, and the one rule for a
-disturbed run.
-
-The cases to compare take turns: each round runs every case once, in an order rotated by one from
-the round before, so a slow spell of a shared machine lands on all of them alike. A case is then
-read by the median of its rounds, with their spread (min..max) beside it: two cases differ only
-where their spreads do not overlap (:func:`compare`).
-
-The same work on the same machine takes the same time; only other programs add to it. So a case
-whose slowest round took more than ``SPREAD`` (1.5) times its fastest was slowed by something
-else, and the run says so once, in its printed line and its figure's label (:func:`disturbed`).
+disturbed run. Each round runs every case once, in an order rotated by one from the round
+before, so a slow spell of a shared machine lands on all of them alike. A case is read by the
+median of its rounds with their spread (min..max) beside it: two cases differ only where their
+spreads part (:func:`compare`). The same work on the same machine takes the same time; only
+other programs add to it. So a case whose slowest round took more than ``SPREAD`` times its
+fastest was slowed by something else, and the run says so once, in its printed line and its
+figure's label (:func:`disturbed`).
 """
 
 import gc
@@ -20,9 +17,6 @@ import torch
 from kvlib.timing import time_fn
 
 from . import say
-
-__all__ = ["FLAG", "SPREAD", "compare", "disturbed", "flag_label", "flag_line", "report",
-           "rounds", "shown", "timed"]
 
 SPREAD = 1.5  # slowest round over fastest beyond which other work took the time
 FLAG = "disturbed run: not evidence"
