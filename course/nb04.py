@@ -1,6 +1,5 @@
 """Notebook 04's machinery: what only draws or measures the layout lesson, one call per cell (the
-notebook keeps what it teaches: the write, the permuted view, the fold, ``repeat_kv``'s copy).
-"""
+notebook keeps what it teaches: the write, the permuted view, the fold, ``repeat_kv``'s copy)."""
 
 import re
 import statistics
@@ -86,14 +85,13 @@ def _call(mode, q, k, v, mask):
     mask = mask if "mask" in mode else None
     if not mode.startswith("folded"):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=mode != "MHA")
-    out = F.scaled_dot_product_attention(q.view(1, hkv, hq // hkv, d), k, v, attn_mask=mask)
-    return out.view(1, hq, 1, d)
+    return F.scaled_dot_product_attention(q.view(1, hkv, hq // hkv, d), k, v,
+                                          attn_mask=mask).view(1, hq, 1, d)
 
 
 def backend_table(device, dtype, heads_from, seq=256):
     """Force every backend on five kinds of decode call over three layouts of the same K/V; print
-    which backends ran each, and why one refused. Returns ``{(layout, mode, backend): output}`` of
-    the calls that ran, and the tolerance to compare them with."""
+    which backends ran each, and why one refused; return their outputs and the tolerance."""
     cfg = load_config(heads_from)
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
     gen = torch.Generator().manual_seed(0)
@@ -142,9 +140,8 @@ class _Spy(TorchFunctionMode):
 
 
 def sdpa_calls(model, device, dtype):
-    """Spy on the first layer's attention call of three forwards through ``kvlib.forward``: a
-    prefill of 8 tokens, a chunk of 4 after them, one decode step. Print the shapes of q, k and
-    the mask (``lower-right``: a causal rule the kernel applies, no tensor) and the flags."""
+    """The first layer's attention call of a prefill, a chunk and a decode step through
+    ``kvlib.forward`` (mask ``lower-right``: a causal rule the kernel applies, no tensor)."""
     cache = kvlib.KVCache.for_model(model.config, 16, device=device, dtype=dtype)
     ids = torch.randint(0, model.config.vocab_size, (1, 13),
                         generator=torch.Generator().manual_seed(0)).to(device)
@@ -173,8 +170,7 @@ def read_order(device, dtype, label, rounds_n=9):
     calls = {name: timed(partial(F.scaled_dot_product_attention, q, keys[name], values[name]),
                          device, repeats=5, warmup=1) for name in LAYOUTS[:2]}
     ms = {name: [s * 1e3 for s in v] for name, v in rounds(calls, rounds_n).items()}
-    seq_ms, head_ms = (statistics.median(v) for v in ms.values())
-    n = cfg.num_hidden_layers
+    (seq_ms, head_ms), n = (statistics.median(v) for v in ms.values()), cfg.num_hidden_layers
     report(f"{label}\none layer's attention call for a decode step over {seq:,} slots ({hq} query "
            f"/ {hkv} KV heads), median (min..max) of {rounds_n} rounds: "
            + ", ".join(f"{k} {shown(v, '.3f')} ms" for k, v in ms.items())
@@ -187,15 +183,10 @@ def read_order(device, dtype, label, rounds_n=9):
 
 def cudnn_reference() -> None:
     """One line from the committed H200 run's README: what a new length cost cuDNN attention."""
-    readme = plots.FIGURES / "h200" / "README.md"
-    text = " ".join(readme.read_text().split()) if readme.exists() else ""
-    found = re.search(r"costs it ([\d.]+) ms per decode call \(([\d.]+) ms at a length seen "
-                      r"before; flash: ([\d.]+)", text)
-    version = re.search(r"torch ([\w.+]+)", text)
-    if not (found and version):
-        print("no H200 reference committed: the cost of cuDNN's plans is not shown here")
-        return
-    new, seen, flash = found.groups()
-    say(f"H200 reference, allocator capped at 12 GiB, torch {version[1]} (figures/h200/README.md): "
+    text = " ".join((plots.FIGURES / "h200" / "README.md").read_text().split())
+    new, seen, flash = re.search(r"costs it ([\d.]+) ms per decode call \(([\d.]+) ms at a length "
+                                 r"seen before; flash: ([\d.]+)", text).groups()
+    version = re.search(r"torch ([\w.+]+)", text)[1]
+    say(f"H200 reference, allocator capped at 12 GiB, torch {version} (figures/h200/README.md): "
         f"cuDNN attention, a length it had not seen {new} ms per decode call, a length seen "
         f"before {seen} ms; flash {flash} ms either way")

@@ -1,8 +1,5 @@
-"""Notebook 08's machinery: logits at every position of a text over any cache, each cache's
-accuracy against the fp32 one, the answer and sinks figures, and the time of a decode step over
-each cache. The notebook keeps what it teaches in its cells: the bytes arithmetic, quantizing a
-row, the meter and the ledger on one step, greedy's near-ties, the ring's slots, parity.
-"""
+"""Notebook 08's machinery: logits at every position over any cache, accuracy against fp32, the
+figures, the decode step's time. The notebook keeps what it teaches in its cells."""
 
 import statistics
 
@@ -17,8 +14,6 @@ from kvlib.meter import fill
 
 from . import plots
 from .rounds import disturbed, flag_label, report, rounds, timed
-
-__all__ = ["accuracy", "answer_figure", "chunk_logits", "sinks_figure", "time_steps"]
 
 CHUNK = 128  # the text goes through in chunks, each over the slots the cache already holds
 
@@ -89,9 +84,8 @@ def answer_figure(rows: dict, n: int, label: str) -> Figure:
     colors = ["0.3", "tab:blue", "tab:red", "tab:orange", "tab:green", "tab:purple"]
     for ax, values, xlabel in ((left, held, "KV bytes held (MiB)"),
                                (right, ppl, "perplexity (lower is better)")):
-        ax.barh(range(len(names)), values, color=colors[:len(names)])
-        for i, v in enumerate(values):
-            ax.text(v, i, f" {v:.2f}", va="center", fontsize=8)
+        ax.bar_label(ax.barh(range(len(names)), values, color=colors[:len(names)]), fmt=" %.2f",
+                     fontsize=8)
         ax.set(xlim=(0, 1.2 * max(values)), xlabel=xlabel)
         ax.grid(False, axis="y")
     right.axvline(ppl[0], color="k", lw=1, ls="--")
@@ -136,8 +130,7 @@ def _step(model, kind: str, T: int, ring: int):
 
 def time_steps(model, label: str, contexts=(512, 2048), rounds_n: int = 7, ring: int = 256):
     """Each cache's decode step over fp32's, timed in rounds (:mod:`course.rounds`: a ratio
-    compares two steps of the same spell of a shared machine); a warm-up round first. Prints one
-    line; returns the figure (median and range of the rounds' ratios)."""
+    compares two steps of the same spell of a shared machine); a warm-up round first."""
     kinds = ["fp32", "int8", "int4", f"ring W={ring}"]
     ms = rounds({(k, T): timed(_step(model, k, T, ring), "cpu", repeats=5, warmup=1)
                  for T in contexts for k in kinds}, rounds_n, warmup=1)
