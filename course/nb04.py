@@ -29,11 +29,11 @@ def layouts_figure(slots=6, heads=3, dim=4, t=4, head=1) -> Figure:
     label = (f"drawn from the storage offsets of KVCache(1, {slots}, {heads}, {dim}) in both "
              f"layouts · torch {torch.__version__}")
     fig, axes = plots.figure("One layer's K in memory: a box per key vector (s = slot, h = KV "
-                             "head)", size=(10, 5.6), rows=4)
+                             "head)", "storage address →   (one layer; the layers are stacked "
+                             f"outermost in both layouts) · {label}", size=(10, 5.6), rows=4)
     axes, drawn = iter(axes), {}
     for layout, name in names.items():
-        k = kvlib.KVCache(1, slots, heads, dim, device="cpu", dtype=torch.float32,
-                          layout=layout).k
+        k = kvlib.KVCache(1, slots, heads, dim, device="cpu", dtype=torch.float32, layout=layout).k
         base, size = k.untyped_storage().data_ptr(), dim * k.element_size()
         offsets = drawn[layout] = {(s, h): (k[0, s, h].data_ptr() - base) // size
                                    for s in range(slots) for h in range(heads)}
@@ -53,15 +53,11 @@ def layouts_figure(slots=6, heads=3, dim=4, t=4, head=1) -> Figure:
             ax.set(xlim=(-0.2, slots * heads), ylim=(-0.1, 1.1))
             ax.set_title(f"{what}: {runs} run{'s' * (runs > 1)} of memory", fontsize=9, loc="left")
             ax.axis("off")
-    fig.supxlabel("storage address →   (one layer; the layers are stacked outermost in both "
-                  "layouts)\n" + label, fontsize=8, color="0.35")
     plots.save(fig, "nb04_layouts", label=label, data={
         layout: {f"slot {s}, head {h}": i for (s, h), i in offs.items()}
         for layout, offs in drawn.items()})
     return fig
 
-
-# --- which SDPA backends take which call, on which layout -----------------------------------
 
 BACKENDS = ("MATH", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 CUDA_ONLY = ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
@@ -123,19 +119,13 @@ def backend_table(device, dtype, heads_from, seq=256):
     return ran, dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
 
 
-# --- the calls kvlib's forward makes ---------------------------------------------------------
-
 class _Spy(TorchFunctionMode):
-    """Each ``F.scaled_dot_product_attention`` call's arguments, kvlib's included. A mode, not a
+    """The first ``F.scaled_dot_product_attention`` call's arguments, kvlib's. A mode, not a
     patched function: a causal rule's own dispatch (``causal_lower_right``) knows SDPA by name."""
 
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.scaled_dot_product_attention:
-            self.calls.append((args, kwargs or {}))
+        if func is F.scaled_dot_product_attention:  # the first layer's call: the first one
+            self.__dict__.setdefault("first", (args, kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 
@@ -150,14 +140,12 @@ def sdpa_calls(model, device, dtype):
                          "decode step at t=12": (12, 13)}.items():
         with _Spy() as spy:
             kvlib.forward(model, ids[:, a:b], cache, a)
-        (q, k, *_), kw = spy.calls[0]
+        (q, k, *_), kw = spy.first
         m = kw.get("attn_mask")
         m = None if m is None else tuple(m.shape) if type(m) is torch.Tensor else "lower-right"
         print(f"{what:<26}{str(tuple(q.shape)):<16}{str(tuple(k.shape)):<16}{str(m):<14}"
               f"{str(kw.get('is_causal', False)):<11}{kw.get('enable_gqa', False)}")
 
-
-# --- one timing of the read order, and the H200 reference's finding on cuDNN ---------------
 
 def read_order(device, dtype, label, rounds_n=9):
     """kvlib's decode call (folded, no mask) over the seq-major and the head-major view of the

@@ -47,10 +47,8 @@ def _score(name, held, logits, ref, targets) -> dict:
 
 
 def accuracy(model, ids, window: int = 128, sinks: int = 4) -> dict:
-    """Every cache over the same text ``ids [1, n]``, scored against the fp32 cache (the first):
-    KV bytes held, perplexity, logit errors, positions whose largest error is under one logit,
-    same argmax. ``{name: row}``; the fp32 row's ``hf`` is its largest distance from transformers'
-    own forward."""
+    """Every cache over the same text ``ids [1, n]``, scored against the fp32 cache (the first);
+    the fp32 row's ``hf`` is its largest distance from transformers' own forward."""
     cfg, n, kw = model.config, ids.shape[1], dict(device="cpu", dtype=model.dtype)
     caches = {
         "fp32 KVCache": KVCache.for_model(cfg, n, **kw),
@@ -74,8 +72,7 @@ def accuracy(model, ids, window: int = 128, sinks: int = 4) -> dict:
 
 
 def answer_figure(rows: dict, n: int, label: str) -> Figure:
-    """The KV bytes each cache holds for ``n`` tokens of text (left) beside the perplexity it gives
-    on that text (right, fp32's dashed): fewer bytes by quantizing and by forgetting."""
+    """KV bytes held beside perplexity: fewer bytes by quantizing and by forgetting."""
     names = list(rows)
     held, ppl = [rows[k]["held"] / MIB for k in names], [rows[k]["ppl"] for k in names]
     fig, (left, right) = plots.figure(f"KV bytes for {n:,} tokens of text, and the perplexity each "
@@ -141,8 +138,7 @@ def time_steps(model, label: str, contexts=(512, 2048), rounds_n: int = 7, ring:
     label = flag_label(f"{label} · smollm2-135m", flagged)
     fig, ax = plots.figure("Time per decode step over fp32's (median, range of the rounds)", label,
                            ylabel="time per step / fp32's", size=(7.5, 3.8))
-    plots.bars(ax, kinds[1:], {f"{T:,} tokens": [ratio[k, T] for k in kinds[1:]]
-                               for T in contexts})
+    plots.bars(ax, kinds[1:], {f"{T:,} tokens": [ratio[k, T] for k in kinds[1:]] for T in contexts})
     ax.axhline(1, color="k", lw=1, ls="--")
     plots.save(fig, "nb08_time", data={"ms": {f"{k} @ {T}": v for (k, T), v in ms.items()},
                                        "flagged": flagged}, label=label)

@@ -68,10 +68,10 @@ def chat(model, prompts, new_tokens: int, rounds_n: int = 3) -> dict:
 
 
 def decode_rates(whole_s: list, first_s: list, tokens: int) -> list[float]:
-    """Tokens/s of the decode alone: each round's whole request less the fastest prefill and first
-    token. The same work takes the same time and only other programs add to it, so what is left
-    is never less than that round's own decode: no near-zero time to divide by. A round no longer
-    than the fastest first token (timer noise) is left out; none left: ``[0.0]``."""
+    """Tokens/s of the decode alone: each round's whole request less the fastest first token. Only
+    other programs add to the same work's time, so what is left is never less than that round's
+    own decode: no near-zero time to divide by. A round no longer than the fastest first token
+    (timer noise) is left out; none left: ``[0.0]``."""
     first = min(first_s)
     return [(tokens - 1) / (t - first) for t in whole_s if t > first] or [0.0]
 
