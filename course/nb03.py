@@ -1,6 +1,5 @@
-"""Notebook 03's machinery, one call per cell: the opening figure (the simulated 12 GiB card beside
-the H200 reference), the drawn slots, every cache's time per decode step against the context (this
-machine's, then the committed references'), and on a GPU both caches on the card."""
+"""Notebook 03's machinery, one call per cell: the opening figure, the drawn slots, every cache's
+time per decode step against the context, and on a GPU both caches on the card."""
 
 import statistics
 import textwrap
@@ -9,7 +8,7 @@ from functools import partial
 import torch
 from IPython.display import Image
 from matplotlib.figure import Figure
-from matplotlib.patches import Rectangle
+from matplotlib.patches import Patch, Rectangle
 
 import kvlib
 from course.simulate import simulate
@@ -48,9 +47,6 @@ def answer_figure(qwen, card, context: int):
             ax.plot(cat.timeline["tokens"][-1] / 1000, cat.timeline["peak"][-1] / GIB, "x",
                     color=COLORS["cat"], ms=12, mew=2.5, label="cat: out of memory")
         ax.axhline(budget, color="black", lw=1.5, ls="--", label=f"budget {budget:g} GiB")
-    held = min(pre.timeline["live"]) / GIB
-    left.text(0.5, held - 0.2, f"prealloc: flat at {held:.3f} GiB", fontsize=8,
-              color=COLORS["prealloc"])
     left.set(xlabel="thousands of tokens held", ylabel="GiB", ylim=(7, budget * 1.025))
     left.set_title(textwrap.fill(label, 80), fontsize=8)
     left.legend(fontsize=7, loc="lower right")
@@ -66,7 +62,7 @@ def answer_figure(qwen, card, context: int):
         right.plot([r["tokens"] / 1000 for r in trace],
                    [(r["reserved"] - r["allocated"]) / MIB for r in trace], "-",
                    color=COLORS["cat"], label="cat: after each chunk")
-        fit = sorted((t for t in data["tries"]["prealloc"] if t["fits"]), key=lambda t: t["tokens"])
+        fit = [t for t in data["tries"]["prealloc"] if t["fits"]]  # dots: in any order
         pre_gap = [(t["peak_reserved"] - t["peak_allocated"]) / MIB for t in fit]
         right.plot([t["tokens"] / 1000 for t in fit], pre_gap, "o", color=COLORS["prealloc"],
                    label="prealloc: its peak in each trial run that fit (one dot per run)")
@@ -79,7 +75,7 @@ def answer_figure(qwen, card, context: int):
         line = reference_caches(data)  # as notebook 02 prints it
     plots.save(fig, "nb03_flat_memory", {k: {"timeline": r.timeline, "peak": r.peak}
                                          for k, r in sims.items()}, label)
-    live, held = sims["prealloc"].timeline["live"], cat.timeline["tokens"][-1]
+    live, held = pre.timeline["live"], cat.timeline["tokens"][-1]
     longest = {kind: simulated_longest(qwen, card, kind) for kind in sims}  # as 02 and 06 print it
     cat_how = ("reached it too" if cat.fits else f"ran out after {held:,} tokens held (its next "
                f"copy over the {cat.budget / MIB:,.0f} MiB budget)")
@@ -109,11 +105,11 @@ def slots_figure(max_seq: int = 16, chunk: int = 4, prompt: int = 10) -> Figure:
         ax.text(-0.3, y + 0.4, what, ha="right", va="center", fontsize=8)
     for slot in range(max_seq):
         ax.text(slot + 0.46, len(steps) + 0.1, str(slot), ha="center", fontsize=7, color="0.3")
-    for color, name in ((write, "written by this forward (and read)"),
-                        (read, "read: written by an earlier forward"),
-                        (idle, "allocated at the start (zeros), not read")):
-        ax.add_patch(Rectangle((0, -10), 1, 1, facecolor=color, label=name))  # legend entries only
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncols=3, frameon=False)
+    kinds = ((write, "written by this forward (and read)"),
+             (read, "read: written by an earlier forward"),
+             (idle, "allocated at the start (zeros), not read"))
+    ax.legend(handles=[Patch(facecolor=c, label=n) for c, n in kinds], fontsize=8,
+              loc="upper center", bbox_to_anchor=(0.5, -0.02), ncols=3, frameon=False)
     ax.set(xlim=(-14, max_seq + 0.2), ylim=(-0.2, len(steps) + 0.9))
     ax.axis("off")
     plots.save(fig, "nb03_slots", {"max_seq": max_seq, "chunk": chunk, "prompt": prompt,
@@ -123,29 +119,27 @@ def slots_figure(max_seq: int = 16, chunk: int = 4, prompt: int = 10) -> Figure:
 
 
 def time_by_context(model, contexts, label: str, steps: int = 8, rounds_n: int = 3) -> Figure:
-    """Every cache of the bench timed as the bench times it (:func:`course.bench.ms_per_token`:
-    the decode steps after a prefill, the prefill not counted) at each context, the caches taking
-    turns in ``rounds_n`` rounds (:mod:`course.rounds`). Prints the median (min..max) of the rounds
-    and, where the spreads part, prealloc against cat (:func:`course.bench.verdicts`); the figure
-    draws each spread as a band."""
+    """Every cache of the bench timed as the bench times it (:func:`course.bench.ms_per_token`)
+    at each context, taking turns in rounds (:mod:`course.rounds`); prealloc against cat said only
+    where the spreads part (:func:`course.bench.verdicts`)."""
     prompt = torch.randint(0, model.config.vocab_size, (1, max(contexts)),
                            generator=torch.Generator().manual_seed(0)).to(model.device)
     timed = [rounds({k: partial(bench.ms_per_token, model, prompt[:, :c], k, steps, 512)
                      for k in bench.CACHES}, rounds_n) for c in contexts]
     caches = {k: {"rounds_ms": [t[k] for t in timed],
                   "spread_ms": [(min(t[k]), max(t[k])) for t in timed]} for k in bench.CACHES}
-    ratio = [statistics.median(t["cat"]) / statistics.median(t["prealloc"]) for t in timed]
-    print(f"{'ms / step':<14}" + "".join(f"{f'{c:,} tokens':<25}" for c in contexts).rstrip())
-    for k in bench.CACHES:
-        print((f"{k:<14}" + "".join(f"{shown(t[k]):<25}" for t in timed)).rstrip())
-    print(f"{'cat/prealloc':<14}" + "".join(f"{f'{r:.2f}x':<25}" for r in ratio).rstrip())
+    med = {k: [statistics.median(t[k]) for t in timed] for k in bench.CACHES}
+    rows = {"ms / step": [f"{c:,} tokens" for c in contexts]}
+    rows |= {k: [shown(t[k]) for t in timed] for k in bench.CACHES}
+    rows["cat/prealloc"] = [f"{c / p:.2f}x" for c, p in zip(med["cat"], med["prealloc"])]
+    for name, cells in rows.items():
+        print((f"{name:<14}" + "".join(f"{cell:<25}" for cell in cells)).rstrip())
     found = disturbed({f"{k} at {c:,}": t[k] for c, t in zip(contexts, timed) for k in t})
     pair = {"contexts": list(contexts), "caches": {k: caches[k] for k in ("prealloc", "cat")}}
     report(f"{label}: ms per decode step, median (min..max) of {rounds_n} rounds of {steps} steps; "
            + "; ".join(bench.verdicts(pair)), found)
-    series = {k: (contexts, [statistics.median(r) for r in v["rounds_ms"]],
-                  tuple(zip(*v["spread_ms"]))) for k, v in caches.items()}
-    fig = plots.time_per_step(series, flag_label(label, found))
+    fig = plots.time_per_step({k: (contexts, med[k], tuple(zip(*v["spread_ms"])))
+                               for k, v in caches.items()}, flag_label(label, found))
     plots.save(fig, "nb03_time", {"contexts": list(contexts), **caches}, flag_label(label, found))
     return fig
 
@@ -168,7 +162,7 @@ def bench_reference() -> Image:
 def on_this_card(device, qwen_config, dtype, context: int, cap, label: str) -> None:
     """On a GPU under the 12 GiB cap: both caches run on the card, planned again without what the
     libraries hold once the model has loaded and with a 256 MiB margin, so that the run shows the
-    memory's shape rather than an out-of-memory. Off a GPU: one line saying so."""
+    memory's shape rather than an out-of-memory."""
     if device.type != "cuda":
         say("No GPU here: the H200 reference above is a real allocator's answer; on a GPU this "
               "cell runs both caches on the card")

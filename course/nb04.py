@@ -1,6 +1,5 @@
 """Notebook 04's machinery: what only draws or measures the layout lesson, one call per cell (the
-notebook keeps what it teaches: the write, the permuted view, the fold, ``repeat_kv``'s copy).
-"""
+notebook keeps what it teaches: the write, the permuted view, the fold, ``repeat_kv``'s copy)."""
 
 import re
 import statistics
@@ -30,11 +29,11 @@ def layouts_figure(slots=6, heads=3, dim=4, t=4, head=1) -> Figure:
     label = (f"drawn from the storage offsets of KVCache(1, {slots}, {heads}, {dim}) in both "
              f"layouts · torch {torch.__version__}")
     fig, axes = plots.figure("One layer's K in memory: a box per key vector (s = slot, h = KV "
-                             "head)", size=(10, 5.6), rows=4)
+                             "head)", "storage address →   (one layer; the layers are stacked "
+                             f"outermost in both layouts) · {label}", size=(10, 5.6), rows=4)
     axes, drawn = iter(axes), {}
     for layout, name in names.items():
-        k = kvlib.KVCache(1, slots, heads, dim, device="cpu", dtype=torch.float32,
-                          layout=layout).k
+        k = kvlib.KVCache(1, slots, heads, dim, device="cpu", dtype=torch.float32, layout=layout).k
         base, size = k.untyped_storage().data_ptr(), dim * k.element_size()
         offsets = drawn[layout] = {(s, h): (k[0, s, h].data_ptr() - base) // size
                                    for s in range(slots) for h in range(heads)}
@@ -54,15 +53,11 @@ def layouts_figure(slots=6, heads=3, dim=4, t=4, head=1) -> Figure:
             ax.set(xlim=(-0.2, slots * heads), ylim=(-0.1, 1.1))
             ax.set_title(f"{what}: {runs} run{'s' * (runs > 1)} of memory", fontsize=9, loc="left")
             ax.axis("off")
-    fig.supxlabel("storage address →   (one layer; the layers are stacked outermost in both "
-                  "layouts)\n" + label, fontsize=8, color="0.35")
     plots.save(fig, "nb04_layouts", label=label, data={
         layout: {f"slot {s}, head {h}": i for (s, h), i in offs.items()}
         for layout, offs in drawn.items()})
     return fig
 
-
-# --- which SDPA backends take which call, on which layout -----------------------------------
 
 BACKENDS = ("MATH", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 CUDA_ONLY = ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
@@ -86,14 +81,13 @@ def _call(mode, q, k, v, mask):
     mask = mask if "mask" in mode else None
     if not mode.startswith("folded"):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=mode != "MHA")
-    out = F.scaled_dot_product_attention(q.view(1, hkv, hq // hkv, d), k, v, attn_mask=mask)
-    return out.view(1, hq, 1, d)
+    return F.scaled_dot_product_attention(q.view(1, hkv, hq // hkv, d), k, v,
+                                          attn_mask=mask).view(1, hq, 1, d)
 
 
 def backend_table(device, dtype, heads_from, seq=256):
     """Force every backend on five kinds of decode call over three layouts of the same K/V; print
-    which backends ran each, and why one refused. Returns ``{(layout, mode, backend): output}`` of
-    the calls that ran, and the tolerance to compare them with."""
+    which backends ran each, and why one refused; return their outputs and the tolerance."""
     cfg = load_config(heads_from)
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
     gen = torch.Generator().manual_seed(0)
@@ -125,26 +119,19 @@ def backend_table(device, dtype, heads_from, seq=256):
     return ran, dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
 
 
-# --- the calls kvlib's forward makes ---------------------------------------------------------
-
 class _Spy(TorchFunctionMode):
-    """Each ``F.scaled_dot_product_attention`` call's arguments, kvlib's included. A mode, not a
+    """The first ``F.scaled_dot_product_attention`` call's arguments, kvlib's. A mode, not a
     patched function: a causal rule's own dispatch (``causal_lower_right``) knows SDPA by name."""
 
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.scaled_dot_product_attention:
-            self.calls.append((args, kwargs or {}))
+        if func is F.scaled_dot_product_attention:  # the first layer's call: the first one
+            self.__dict__.setdefault("first", (args, kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 
 def sdpa_calls(model, device, dtype):
-    """Spy on the first layer's attention call of three forwards through ``kvlib.forward``: a
-    prefill of 8 tokens, a chunk of 4 after them, one decode step. Print the shapes of q, k and
-    the mask (``lower-right``: a causal rule the kernel applies, no tensor) and the flags."""
+    """The first layer's attention call of a prefill, a chunk and a decode step through
+    ``kvlib.forward`` (mask ``lower-right``: a causal rule the kernel applies, no tensor)."""
     cache = kvlib.KVCache.for_model(model.config, 16, device=device, dtype=dtype)
     ids = torch.randint(0, model.config.vocab_size, (1, 13),
                         generator=torch.Generator().manual_seed(0)).to(device)
@@ -153,14 +140,12 @@ def sdpa_calls(model, device, dtype):
                          "decode step at t=12": (12, 13)}.items():
         with _Spy() as spy:
             kvlib.forward(model, ids[:, a:b], cache, a)
-        (q, k, *_), kw = spy.calls[0]
+        (q, k, *_), kw = spy.first
         m = kw.get("attn_mask")
         m = None if m is None else tuple(m.shape) if type(m) is torch.Tensor else "lower-right"
         print(f"{what:<26}{str(tuple(q.shape)):<16}{str(tuple(k.shape)):<16}{str(m):<14}"
               f"{str(kw.get('is_causal', False)):<11}{kw.get('enable_gqa', False)}")
 
-
-# --- one timing of the read order, and the H200 reference's finding on cuDNN ---------------
 
 def read_order(device, dtype, label, rounds_n=9):
     """kvlib's decode call (folded, no mask) over the seq-major and the head-major view of the
@@ -173,8 +158,7 @@ def read_order(device, dtype, label, rounds_n=9):
     calls = {name: timed(partial(F.scaled_dot_product_attention, q, keys[name], values[name]),
                          device, repeats=5, warmup=1) for name in LAYOUTS[:2]}
     ms = {name: [s * 1e3 for s in v] for name, v in rounds(calls, rounds_n).items()}
-    seq_ms, head_ms = (statistics.median(v) for v in ms.values())
-    n = cfg.num_hidden_layers
+    (seq_ms, head_ms), n = (statistics.median(v) for v in ms.values()), cfg.num_hidden_layers
     report(f"{label}\none layer's attention call for a decode step over {seq:,} slots ({hq} query "
            f"/ {hkv} KV heads), median (min..max) of {rounds_n} rounds: "
            + ", ".join(f"{k} {shown(v, '.3f')} ms" for k, v in ms.items())
@@ -187,15 +171,10 @@ def read_order(device, dtype, label, rounds_n=9):
 
 def cudnn_reference() -> None:
     """One line from the committed H200 run's README: what a new length cost cuDNN attention."""
-    readme = plots.FIGURES / "h200" / "README.md"
-    text = " ".join(readme.read_text().split()) if readme.exists() else ""
-    found = re.search(r"costs it ([\d.]+) ms per decode call \(([\d.]+) ms at a length seen "
-                      r"before; flash: ([\d.]+)", text)
-    version = re.search(r"torch ([\w.+]+)", text)
-    if not (found and version):
-        print("no H200 reference committed: the cost of cuDNN's plans is not shown here")
-        return
-    new, seen, flash = found.groups()
-    say(f"H200 reference, allocator capped at 12 GiB, torch {version[1]} (figures/h200/README.md): "
+    text = " ".join((plots.FIGURES / "h200" / "README.md").read_text().split())
+    new, seen, flash = re.search(r"costs it ([\d.]+) ms per decode call \(([\d.]+) ms at a length "
+                                 r"seen before; flash: ([\d.]+)", text).groups()
+    version = re.search(r"torch ([\w.+]+)", text)[1]
+    say(f"H200 reference, allocator capped at 12 GiB, torch {version} (figures/h200/README.md): "
         f"cuDNN attention, a length it had not seen {new} ms per decode call, a length seen "
         f"before {seen} ms; flash {flash} ms either way")

@@ -1,8 +1,5 @@
-"""Notebook 08's machinery: logits at every position of a text over any cache, each cache's
-accuracy against the fp32 one, the answer and sinks figures, and the time of a decode step over
-each cache. The notebook keeps what it teaches in its cells: the bytes arithmetic, quantizing a
-row, the meter and the ledger on one step, greedy's near-ties, the ring's slots, parity.
-"""
+"""Notebook 08's machinery: logits at every position over any cache, accuracy against fp32, the
+figures, the decode step's time. The notebook keeps what it teaches in its cells."""
 
 import statistics
 
@@ -17,8 +14,6 @@ from kvlib.meter import fill
 
 from . import plots
 from .rounds import disturbed, flag_label, report, rounds, timed
-
-__all__ = ["accuracy", "answer_figure", "chunk_logits", "sinks_figure", "time_steps"]
 
 CHUNK = 128  # the text goes through in chunks, each over the slots the cache already holds
 
@@ -52,10 +47,8 @@ def _score(name, held, logits, ref, targets) -> dict:
 
 
 def accuracy(model, ids, window: int = 128, sinks: int = 4) -> dict:
-    """Every cache over the same text ``ids [1, n]``, scored against the fp32 cache (the first):
-    KV bytes held, perplexity, logit errors, positions whose largest error is under one logit,
-    same argmax. ``{name: row}``; the fp32 row's ``hf`` is its largest distance from transformers'
-    own forward."""
+    """Every cache over the same text ``ids [1, n]``, scored against the fp32 cache (the first);
+    the fp32 row's ``hf`` is its largest distance from transformers' own forward."""
     cfg, n, kw = model.config, ids.shape[1], dict(device="cpu", dtype=model.dtype)
     caches = {
         "fp32 KVCache": KVCache.for_model(cfg, n, **kw),
@@ -79,8 +72,7 @@ def accuracy(model, ids, window: int = 128, sinks: int = 4) -> dict:
 
 
 def answer_figure(rows: dict, n: int, label: str) -> Figure:
-    """The KV bytes each cache holds for ``n`` tokens of text (left) beside the perplexity it gives
-    on that text (right, fp32's dashed): fewer bytes by quantizing and by forgetting."""
+    """KV bytes held beside perplexity: fewer bytes by quantizing and by forgetting."""
     names = list(rows)
     held, ppl = [rows[k]["held"] / MIB for k in names], [rows[k]["ppl"] for k in names]
     fig, (left, right) = plots.figure(f"KV bytes for {n:,} tokens of text, and the perplexity each "
@@ -89,9 +81,8 @@ def answer_figure(rows: dict, n: int, label: str) -> Figure:
     colors = ["0.3", "tab:blue", "tab:red", "tab:orange", "tab:green", "tab:purple"]
     for ax, values, xlabel in ((left, held, "KV bytes held (MiB)"),
                                (right, ppl, "perplexity (lower is better)")):
-        ax.barh(range(len(names)), values, color=colors[:len(names)])
-        for i, v in enumerate(values):
-            ax.text(v, i, f" {v:.2f}", va="center", fontsize=8)
+        ax.bar_label(ax.barh(range(len(names)), values, color=colors[:len(names)]), fmt=" %.2f",
+                     fontsize=8)
         ax.set(xlim=(0, 1.2 * max(values)), xlabel=xlabel)
         ax.grid(False, axis="y")
     right.axvline(ppl[0], color="k", lw=1, ls="--")
@@ -136,8 +127,7 @@ def _step(model, kind: str, T: int, ring: int):
 
 def time_steps(model, label: str, contexts=(512, 2048), rounds_n: int = 7, ring: int = 256):
     """Each cache's decode step over fp32's, timed in rounds (:mod:`course.rounds`: a ratio
-    compares two steps of the same spell of a shared machine); a warm-up round first. Prints one
-    line; returns the figure (median and range of the rounds' ratios)."""
+    compares two steps of the same spell of a shared machine); a warm-up round first."""
     kinds = ["fp32", "int8", "int4", f"ring W={ring}"]
     ms = rounds({(k, T): timed(_step(model, k, T, ring), "cpu", repeats=5, warmup=1)
                  for T in contexts for k in kinds}, rounds_n, warmup=1)
@@ -148,8 +138,7 @@ def time_steps(model, label: str, contexts=(512, 2048), rounds_n: int = 7, ring:
     label = flag_label(f"{label} · smollm2-135m", flagged)
     fig, ax = plots.figure("Time per decode step over fp32's (median, range of the rounds)", label,
                            ylabel="time per step / fp32's", size=(7.5, 3.8))
-    plots.bars(ax, kinds[1:], {f"{T:,} tokens": [ratio[k, T] for k in kinds[1:]]
-                               for T in contexts})
+    plots.bars(ax, kinds[1:], {f"{T:,} tokens": [ratio[k, T] for k in kinds[1:]] for T in contexts})
     ax.axhline(1, color="k", lw=1, ls="--")
     plots.save(fig, "nb08_time", data={"ms": {f"{k} @ {T}": v for (k, T), v in ms.items()},
                                        "flagged": flagged}, label=label)

@@ -1,8 +1,5 @@
-"""Notebook 09's measuring machinery (reuse and rollback): a multi-turn chat with and without the
-prefix cache and prompt lookup against plain greedy, each timed in rounds (:mod:`course.rounds`),
-and the figure that answers the notebook's question. Each measures, returns its numbers and prints
-one line.
-"""
+"""Notebook 09's measuring machinery: a multi-turn chat with and without the prefix cache, prompt
+lookup against plain greedy, each timed in rounds (:mod:`course.rounds`), and the answer figure."""
 
 import statistics
 from functools import partial
@@ -38,8 +35,7 @@ def conversation(model, tok, system: str, questions: list[str], new_tokens: int)
 
 
 def _chat_once(model, prompts, new_tokens: int, prefix_cache: bool) -> list[tuple]:
-    """The turns on a fresh pool: per turn ``(tokens computed, prefill seconds, tokens)``; the
-    prefill ends with the first token's logits, so it is the time to first token. Each answer's
+    """Per turn on a fresh pool ``(tokens computed, time to first token, tokens)``; each answer's
     full blocks stay cached, so the next turn, which resends it, finds them."""
     blocks = sum(-(-(p.shape[1] + new_tokens) // BLOCK) for p in prompts)  # nothing evicted
     pool, rows = BlockPool.for_model(model.config, blocks, BLOCK, device=model.device,
@@ -58,8 +54,8 @@ def chat(model, prompts, new_tokens: int, rounds_n: int = 3) -> dict:
     out = {"prompt": [p.shape[1] for p in prompts], "computed": [r[0] for r in runs[True][0]],
            "same_tokens": all(a[2] == b[2] for x, y in zip(runs[False], runs[True])
                               for a, b in zip(x, y))}
-    for mode, name in ((False, "plain"), (True, "cached")):
-        out[f"{name}_ttft"] = [[run[t][1] for run in runs[mode]] for t in range(len(prompts))]
+    out |= {f"{name}_ttft": [[run[t][1] for run in runs[mode]] for t in range(len(prompts))]
+            for mode, name in ((False, "plain"), (True, "cached"))}
     plain, cached = out["plain_ttft"][-1], out["cached_ttft"][-1]
     x = statistics.median(plain) / statistics.median(cached)
     report(f"{len(prompts)} turns: the prefix cache computed {sum(out['computed']):,} of "
@@ -72,19 +68,18 @@ def chat(model, prompts, new_tokens: int, rounds_n: int = 3) -> dict:
 
 
 def decode_rates(whole_s: list, first_s: list, tokens: int) -> list[float]:
-    """Tokens/s of the decode alone: each round's whole request less the fastest prefill and first
-    token. The same work takes the same time and only other programs add to it, so what is left
-    is never less than that round's own decode: no near-zero time to divide by. A round no longer
-    than the fastest first token (timer noise) is left out; none left: ``[0.0]``."""
+    """Tokens/s of the decode alone: each round's whole request less the fastest first token. Only
+    other programs add to the same work's time, so what is left is never less than that round's
+    own decode: no near-zero time to divide by. A round no longer than the fastest first token
+    (timer noise) is left out; none left: ``[0.0]``."""
     first = min(first_s)
     return [(tokens - 1) / (t - first) for t in whole_s if t > first] or [0.0]
 
 
 def lookup(model, tasks: dict, new_tokens: int, k: int, rounds_n: int = 5) -> dict:
-    """Per task, plain greedy and prompt lookup (``k`` guesses) timed in rounds with the prefill
-    and first token alone: tokens per second over the whole request (the same prefill in both)
-    and over the decode only (:func:`decode_rates`); and one forward at the prompt's end over 1
-    row and over ``k + 1`` rows, as the verify forward runs them (each row at its own slot)."""
+    """Per task, plain greedy and prompt lookup (``k`` guesses) timed in rounds with the first
+    token alone: tokens/s of the whole request and of the decode only (:func:`decode_rates`); and
+    one forward over 1 row and over ``k + 1`` rows, as the verify forward runs them."""
     out, modes = {}, {"first": (1, None), "plain": (new_tokens, None), "lookup": (new_tokens, k)}
     for name, ids in tasks.items():
         gens, cache = {}, generate(model, ids, 1, max_seq=ids.shape[1] + k + 1).cache
@@ -122,8 +117,8 @@ def lookup(model, tasks: dict, new_tokens: int, k: int, rounds_n: int = 5) -> di
 
 
 def figure(chat_out: dict, lookup_out: dict, label: str) -> Figure:
-    """Left: time to first token per turn, without and with the prefix cache. Right: tokens/s of
-    plain greedy and prompt lookup per task. Medians, whiskers min..max; saved as nb09_reuse."""
+    """Time to first token per turn without and with the prefix cache; tokens/s of plain greedy
+    and prompt lookup per task."""
     fig, (left, right) = plots.figure("Reuse: the prefix cache and prompt lookup", label,
                                       size=(10, 4.4), panels=2)
     plots.bars(left, [f"turn {t + 1}\n{c} of {p}" for t, (c, p) in enumerate(zip(
