@@ -1,12 +1,11 @@
-"""The reading budget (course/reading.py): every notebook within 30 minutes and 12 hedges,
+"""The reading budget (tests/reading.py): every notebook within 30 minutes and 12 hedges,
 the whole course, deep dives included, within 300 minutes."""
 
 import json
 import re
 
 import pytest
-
-from course import reading
+import reading
 
 ROWS = [reading.load(p) for p in reading.notebooks()]
 

@@ -3,7 +3,8 @@
 A learner has an afternoon: every notebook should read in at most 30 minutes and the whole
 course (deep dives included) in at most 300, at a reader's rates, not a skimmer's. Hedges count
 the words that talk about the measuring rather than the cache; a notebook keeps at most 12.
-``python -m course.reading`` prints the table; ``tests/test_reading.py`` holds the budget.
+``python tests/reading.py`` prints the table (a maintainer's tool: no notebook imports it);
+``tests/test_reading.py`` holds the budget.
 """
 
 import json
