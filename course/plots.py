@@ -1,18 +1,15 @@
-"""One look for every plot of the course, and the figures they are saved as.
-
-Figures are built with :class:`matplotlib.figure.Figure`, not ``pyplot``: no global state, no
-backend needed (Agg-safe in CI), and a notebook shows the returned figure once instead of twice.
-Every plot carries a ``label`` saying where its numbers were measured (device, memory cap, dtype,
-versions), and :func:`save` refuses a figure that does not show it: a reference figure loaded later
-must say where it came from.
-"""
+"""One look for every plot of the course, and the figures they are saved as. Figures are built
+with :class:`matplotlib.figure.Figure`, not ``pyplot``: no global state, no backend needed
+(Agg-safe in CI), and a notebook shows the returned figure once instead of twice. Every plot
+carries a ``label`` saying where its numbers were measured (device, memory cap, dtype, versions),
+and :func:`save` refuses a figure that does not show it: a reference figure loaded later must say
+where it came from."""
 
 import dataclasses
 import json
 import os
 import statistics
 import textwrap
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -23,12 +20,8 @@ from matplotlib.text import Text
 from kvlib.budget import Budget
 from kvlib.config import GIB, MIB
 
-__all__ = ["CACHE_COLORS", "FIGURES", "against_floor", "bars", "budget_bar", "bytes_per_step",
-           "figure", "gpu_reference", "load", "memory_vs_tokens", "save", "time_per_step"]
-
 # The repo's figures/, found from the package, so notebooks/ and the repo root agree.
 FIGURES = Path(__file__).resolve().parent.parent / "figures"
-REGENERATE = "python -m course.bench --out figures"
 # Where committed GPU runs sit: the bench's own --out, then the GPU check's (./course.sh gpu-check).
 GPU_FOLDERS = (FIGURES, FIGURES / "h200")
 # One colour per cache in every figure: the preallocated cache green, the copying cat red.
@@ -39,9 +32,9 @@ CACHE_COLORS = {"prealloc": "tab:green", "cat": "tab:red", "hf_dynamic": "tab:pu
 def figure(title: str, label: str | None = None, xlabel: str = "", ylabel: str = "",
            size=(7.0, 4.0), panels: int = 1, rows: int = 1, **subplots):
     """The course's one figure: a bold title; the run's label small under it (one panel) or along
-    the foot (several), wrapped to the figure's width (about 15 characters an inch at 8 points) so
-    that it is never clipped; ``panels`` axes side by side (in ``rows`` rows), each gridded, open at
-    the top and right. ``(fig, ax)``, or ``(fig, [ax, ...])`` for several panels."""
+    the foot (several), wrapped to the width (15 characters an inch at 8 points: never clipped);
+    ``panels`` axes side by side (in ``rows`` rows), gridded, open at top and right: ``(fig, ax)``
+    or ``(fig, [ax, ...])``."""
     fig = Figure(figsize=size, layout="constrained")
     fig.suptitle(title, fontweight="bold")
     axes = list(fig.subplots(rows, panels, squeeze=False, **subplots).flat)
@@ -50,11 +43,8 @@ def figure(title: str, label: str | None = None, xlabel: str = "", ylabel: str =
         ax.grid(alpha=0.3)
         ax.spines[["top", "right"]].set_visible(False)
     if label:
-        shown = textwrap.fill(label, int(15 * size[0]))
-        if len(axes) == 1:
-            axes[0].set_title(shown, fontsize=8, color="0.35")
-        else:
-            fig.supxlabel(shown, fontsize=8, color="0.35")
+        (axes[0].set_title if len(axes) == 1 else fig.supxlabel)(
+            textwrap.fill(label, int(15 * size[0])), fontsize=8, color="0.35")
     return fig, axes[0] if len(axes) == 1 else axes
 
 
@@ -72,14 +62,11 @@ def _unit(nbytes: float) -> tuple[float, str]:
 
 def memory_vs_tokens(rows_by_name: dict[str, dict[str, list]], label: str,
                      budget_bytes: int | None = None) -> Figure:
-    """Allocated (solid) and reserved (dashed) memory against tokens, one colour a series.
-
-    Each series is ``{"tokens": [...], "allocated": [...], "reserved": [...]}`` in bytes;
-    ``reserved`` may be absent (the CPU has no caching allocator).
-    """
-    values = [v for r in rows_by_name.values() for k in ("allocated", "reserved")
-              for v in r.get(k) or []]
-    scale, unit = _unit(max(values + [budget_bytes or 0]))
+    """Allocated (solid) and reserved (dashed) bytes against tokens, one colour a series
+    ``{"tokens", "allocated", "reserved"}``; ``reserved`` may be absent (a CPU has no caching
+    allocator), and is never below allocated where it is not."""
+    scale, unit = _unit(max([budget_bytes or 0, *(max(r.get("reserved") or r["allocated"])
+                                                   for r in rows_by_name.values())]))
     fig, ax = figure("Memory while decoding", label, "tokens", unit)
     for name, rows in rows_by_name.items():
         (line,) = ax.plot(rows["tokens"], [b / scale for b in rows["allocated"]],
@@ -93,11 +80,12 @@ def memory_vs_tokens(rows_by_name: dict[str, dict[str, list]], label: str,
     return _finish(fig, ax)
 
 
-def _per_context(title: str, label: str, xlabel: str, ylabel: str, series: dict,
-                 scale: float = 1.0) -> Figure:
-    """One line per series, ``(xs, ys)`` or ``(xs, ys, (low, high))``: the spread of the rounds,
-    drawn as a band, so a difference smaller than the noise looks like one."""
-    fig, ax = figure(title, label, xlabel, ylabel)
+def time_per_step(series: dict[str, tuple], label: str, title: str = "Time per decode step",
+                  ylabel: str = "ms / step", scale: float = 1.0) -> Figure:
+    """One line per series against the context it runs at (ms per decode step unless said
+    otherwise): ``(tokens, ys)`` or ``(tokens, ys, (low, high))``, the spread of the rounds drawn
+    as a band, so a difference smaller than the noise looks like one."""
+    fig, ax = figure(title, label, "context (tokens)", ylabel)
     for name, (xs, ys, *spread) in series.items():
         (line,) = ax.plot(xs, [y / scale for y in ys], "o-" if len(xs) < 20 else "-", ms=4,
                           label=name, color=CACHE_COLORS.get(name))
@@ -106,17 +94,10 @@ def _per_context(title: str, label: str, xlabel: str, ylabel: str, series: dict,
     return _finish(fig, ax)
 
 
-def time_per_step(series: dict[str, tuple], label: str, xlabel: str = "context (tokens)") -> Figure:
-    """Milliseconds per decode step against the context it attends over: ``(tokens, ms)`` or
-    ``(tokens, ms, (low, high))`` a series."""
-    return _per_context("Time per decode step", label, xlabel, "ms / step", series)
-
-
-def bytes_per_step(series: dict[str, tuple[Sequence, Sequence]], label: str) -> Figure:
+def bytes_per_step(series: dict[str, tuple], label: str) -> Figure:
     """Bytes one decode step allocates for the cache, against the context it runs at."""
     scale, unit = _unit(max((max(b, default=0) for _, b in series.values()), default=0))
-    return _per_context("Cache bytes allocated per decode step", label, "context (tokens)", unit,
-                        series, scale)
+    return time_per_step(series, label, "Cache bytes allocated per decode step", unit, scale)
 
 
 _PARTS = (("weights", "weights", "tab:blue"), ("kv", "KV cache", "tab:orange"),
@@ -124,18 +105,14 @@ _PARTS = (("weights", "weights", "tab:blue"), ("kv", "KV cache", "tab:orange"),
 
 
 def budget_bar(budget: Budget | list[tuple[str, Budget]], context: int, label: str) -> Figure:
-    """Stacked bars, one per budget: weights, KV at ``context`` tokens, workspace, free.
-
-    Segments are annotated in GiB and the budget is a red tick. Where ``context`` does not fit,
-    every segment is still drawn, past the tick, and the bar says by how much all of them together
-    are over. A segment's number is drawn only where it fits inside the segment as drawn (the axis
-    spans the widest bar, however far past the budget), so no number sits on the axis or on a
-    neighbour; it sits on a patch of its segment's colour, so neither the grid (drawn behind the
-    bars) nor the budget tick runs through it. A part too thin to see says so in the legend.
-    """
+    """Stacked bars, one per budget: weights, KV at ``context`` tokens, workspace, free; the
+    budget a red tick. A context that does not fit still draws every part, past the tick, and says
+    by how much all together are over. A part's number (GiB) is drawn only where it fits inside the
+    part as drawn, on a patch of its colour, so no number sits on the axis or a neighbour and
+    neither the grid nor the tick runs through it. A part too thin to see says so in the legend."""
     named = [("", budget)] if isinstance(budget, Budget) else list(budget)
     fig, ax = figure(f"Memory budget at {context:,} tokens", label, "GiB", "",
-                      size=(7.0, 1.4 + 0.6 * len(named)))
+                     size=(7.0, 1.4 + 0.6 * len(named)))
     ax.set_axisbelow(True)
     widest, numbers, notes, most = 0.0, [], [], {}
     for y, (_, b) in enumerate(named):
@@ -172,8 +149,8 @@ def _fit_bar_texts(fig: Figure, ax, numbers: list, notes: list) -> None:
     renderer = FigureCanvasAgg(fig).get_renderer()  # a bare Figure has none until it has a canvas
     for _ in range(3):  # the layout moves the axes a little each time the limits change
         fig.draw_without_rendering()
-        right = ax.get_window_extent(renderer).x1
-        over = max((t.get_window_extent(renderer).x1 - right for t in notes), default=0)
+        over = (max((t.get_window_extent(renderer).x1 for t in notes), default=0)
+                - ax.get_window_extent(renderer).x1)
         if over <= 0:
             break
         lo, hi = ax.get_xlim()
@@ -185,11 +162,10 @@ def _fit_bar_texts(fig: Figure, ax, numbers: list, notes: list) -> None:
             text.remove()
 
 
-def against_floor(contexts: Sequence[int], measured_ms: Sequence[float], floor_ms: Sequence[float],
-                  label: str) -> Figure:
+def against_floor(contexts: list, measured_ms: list, floor_ms: list, label: str) -> Figure:
     """Measured ms/token against the bandwidth floor, each point annotated with its MBU."""
     fig, ax = figure("Decode time against the bandwidth floor", label, "context (tokens)",
-                      "ms / token")
+                     "ms / token")
     ax.plot(contexts, measured_ms, "o-", label="measured")
     ax.plot(contexts, floor_ms, "--", color="0.3", label="floor: bytes / bandwidth")
     for x, m, f in zip(contexts, measured_ms, floor_ms):
@@ -229,14 +205,10 @@ def _jsonable(obj):
 
 def save(fig: Figure, name: str, data: dict, label: str,
          directory: str | Path | None = None) -> tuple[Path, Path]:
-    """Write ``name.png`` and ``name.json`` (``{"label", "data"}``) side by side.
-
-    The JSON holds the numbers behind the plot, so a notebook can print them with their label
-    instead of typing them in. ``directory`` defaults to ``$KVLIB_SAVE_FIGURES`` if set, else
-    ``figures/runs/``, which git ignores: a learner's run never rewrites the committed reference
-    figures, which are written only when asked for (``KVLIB_SAVE_FIGURES=figures``, or the bench's
-    ``--out``).
-    """
+    """Write ``name.png`` and ``name.json`` (``{"label", "data"}``: the numbers behind the plot,
+    so a notebook prints them with their label instead of typing them in). ``directory``: else
+    ``$KVLIB_SAVE_FIGURES``, else ``figures/runs/``, which git ignores: a learner's run never
+    rewrites the committed reference figures, written only when asked for (bench's ``--out``)."""
     shown = " ".join(label.split())  # a label may be wrapped onto several lines
     if not any(shown in " ".join(t.get_text().split()) for t in fig.findobj(Text)):
         raise ValueError(f"figure {name!r} does not show its label {label!r}")
@@ -254,20 +226,17 @@ def load(name: str, directory: str | Path = FIGURES) -> tuple[dict, str]:
     """``(data, label)`` of a saved figure's JSON."""
     path = Path(directory) / f"{name}.json"
     if not path.is_file():
-        raise FileNotFoundError(f"no reference figure at {path}; regenerate with: {REGENERATE}")
+        raise FileNotFoundError(f"no reference figure at {path}; regenerate with: "
+                                "python -m course.bench --out figures")
     stored = json.loads(path.read_text())
     return stored["data"], stored["label"]
 
 
 def gpu_reference(name: str) -> tuple[dict, str, Path] | None:
     """``(data, label, folder)`` of figure ``name`` from the first committed run made on a GPU, or
-    None. A reference figure of the machine its label names, never of the reader's own run: a
-    notebook prints the label beside every number it takes from it."""
-    for folder in GPU_FOLDERS:
-        try:
-            data, label = load(name, folder)
-        except FileNotFoundError:
-            continue
+    None: the machine its label names, never the reader's, so a notebook prints that label."""
+    for folder in (f for f in GPU_FOLDERS if (f / f"{name}.json").is_file()):
+        data, label = load(name, folder)
         if "NVIDIA" in label or str(data.get("device", {}).get("device", "")).startswith("cuda"):
             return data, label, folder
     return None
