@@ -8,10 +8,9 @@ from matplotlib.patches import FancyArrowPatch
 import kvlib
 from kvlib.cards import Card, card
 from kvlib.config import GIB, MIB
-from kvlib.memory import free, memory_stats
+from kvlib.memory import free, memory_snapshot, memory_stats
 
 from . import plots, say
-from .memory_trace import memory_snapshot
 from .quantities import H200, reference_caches, short_of, simulated_longest  # noqa: F401 (H200: nb03's)
 from .simulate import MAKE, simulate
 

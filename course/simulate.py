@@ -21,8 +21,6 @@ from kvlib.kv_cache import KVCache
 from kvlib.meter import MeteredCache, fill, new_storages
 from kvlib.sdpa_choice import Kernels
 
-__all__ = ["Ledger", "Run", "fits_context", "longest_context", "simulate"]
-
 COMPOSITE = torch._C.DispatchKey.CompositeExplicitAutograd
 
 
@@ -129,8 +127,6 @@ class Run:
     """One simulated run: ``timeline`` per step, the peak and its bytes by region, the SDPA
     kernels chosen, and the OOM if there was one."""
 
-    context: int
-    prompt: int
     cache: str
     budget: int
     peak: int
@@ -208,7 +204,7 @@ def simulate(model, context: int, *, cache="prealloc", card: Card | str = "12 Gi
     finally:
         for h in hooks:
             h.remove()
-    return Run(context, prompt, getattr(cache, "__qualname__", cache), ledger.budget, ledger.peak,
+    return Run(getattr(cache, "__qualname__", cache), ledger.budget, ledger.peak,
                ledger.at_peak, ledger.timeline, kernels.counts, oom)
 
 

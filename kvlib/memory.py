@@ -2,18 +2,21 @@
 
 ``allocated`` is what live tensors hold; ``reserved`` what the caching allocator took from the
 driver, the number that runs out; ``peak_*`` the high-water mark. A CPU has no allocator to ask:
-there the honest number is the resident set size. Nothing here touches ``torch.cuda`` off CUDA."""
+there the honest number is the resident set size. Nothing here touches ``torch.cuda`` off CUDA.
+``memory_snapshot`` records the allocator's own event history, for https://pytorch.org/memory_viz."""
 
 import gc
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from .config import GIB
-from .env import resolve
+from .env import default_device, resolve
 
-__all__ = ["Cap", "allocator_budget", "cap_memory", "free", "memory_stats"]
+__all__ = ["Cap", "allocator_budget", "cap_memory", "free", "memory_snapshot", "memory_stats"]
 
 
 def _rss() -> int:
@@ -93,3 +96,21 @@ def allocator_budget(device: torch.device | str, cap: Cap | None = None) -> int 
         return None
     usable = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
     return min(usable, cap.budget_bytes) if cap is not None and cap.active else usable
+
+
+@contextmanager
+def memory_snapshot(path: str | os.PathLike, max_entries: int = 100_000, *,
+                    device: torch.device | str | None = None) -> Iterator[bool]:
+    """Record the allocator's events in the block into ``path`` for https://pytorch.org/memory_viz,
+    even when it raises (an OOM is the best moment). Off CUDA: nothing, and it yields False."""
+    if resolve(device or default_device()).type != "cuda":
+        yield False
+        return
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+    try:
+        yield True
+    finally:
+        try:
+            torch.cuda.memory._dump_snapshot(str(path))
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)

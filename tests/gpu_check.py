@@ -47,14 +47,13 @@ from gpu_memory import MemoryTrace, longest_context  # noqa: E402 (tests/, besid
 
 import kvlib  # noqa: E402
 from course import plots  # noqa: E402
-from course.memory_trace import memory_snapshot  # noqa: E402
 from kvlib.bandwidth import decode_bytes, mbu, measure_bandwidth  # noqa: E402
 from kvlib.budget import plan_budget  # noqa: E402
 from kvlib.config import GIB, MIB, kv_bytes_per_token, load_config  # noqa: E402
 from kvlib.env import describe, label  # noqa: E402
 from kvlib.graphs import StaticStep  # noqa: E402
 from kvlib.kv_cache import KVCache  # noqa: E402
-from kvlib.memory import allocator_budget, cap_memory, free  # noqa: E402
+from kvlib.memory import allocator_budget, cap_memory, free, memory_snapshot  # noqa: E402
 from kvlib.timing import StepTimer  # noqa: E402
 
 MODEL, BUDGET_GIB, CONTEXT, NEW, CHUNK = "random:qwen3-4b", 12, 8192, 32, 512

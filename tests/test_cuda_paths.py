@@ -30,7 +30,6 @@ from transformers.models.llama import modeling_llama  # noqa: F401
 from transformers.models.qwen3 import modeling_qwen3  # noqa: F401
 
 import kvlib
-from course import memory_trace
 from kvlib import env, graphs, loop, memory, timing
 from kvlib.kv_cache import KVCache
 
@@ -120,7 +119,7 @@ def test_allocator_budget_is_free_plus_ours_within_the_cap(driver):
 def test_snapshot_records_then_dumps_even_on_error(driver, tmp_path, raises):
     path = tmp_path / "snap.pickle"
     with pytest.raises(torch.OutOfMemoryError) if raises else contextlib.nullcontext():
-        with memory_trace.memory_snapshot(path, max_entries=123) as recording:
+        with memory.memory_snapshot(path, max_entries=123) as recording:
             assert recording is True and driver.history == ["all"]
             if raises:
                 raise torch.OutOfMemoryError("CUDA out of memory")

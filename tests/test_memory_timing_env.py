@@ -8,9 +8,8 @@ import torch
 import transformers
 from gpu_memory import MemoryTrace
 
-from course.memory_trace import memory_snapshot
 from kvlib.env import allocator_settings, auto_dtype, default_device, describe, label, resolve
-from kvlib.memory import GIB, allocator_budget, cap_memory, free, memory_stats
+from kvlib.memory import GIB, allocator_budget, cap_memory, free, memory_snapshot, memory_stats
 from kvlib.timing import StepTimer, Timing, time_fn
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
