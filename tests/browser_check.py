@@ -101,11 +101,30 @@ def open_notebook(driver, port: int, name: str, timeout: float = 90) -> bool:
     return "jp-mod-dirty" in tab.get_attribute("class").split()
 
 
+def shown_at(driver, text: str) -> bool:
+    """Scroll the first cell whose text holds ``text`` to the top of the window; False if none.
+    JupyterLab renders cells lazily: it scrolls down the notebook until one appears."""
+    from selenium.webdriver.common.by import By
+
+    for _ in range(200):
+        for cell in driver.find_elements(By.CSS_SELECTOR, ".jp-NotebookPanel .jp-Cell"):
+            if text in cell.text:
+                driver.execute_script("arguments[0].scrollIntoView(true);", cell)
+                time.sleep(2)
+                return True
+        driver.execute_script("document.querySelector('.jp-WindowedPanel-outer, "
+                              ".jp-NotebookPanel-notebook').scrollBy(0, 800);")
+        time.sleep(0.3)
+    return False
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("notebooks", nargs="*")
     parser.add_argument("--out", type=Path, default=Path("/tmp/browser-shots"))
     parser.add_argument("--port", type=int, default=8899)
+    parser.add_argument("--at", action="append", default=[], metavar="TEXT",
+                        help="also screenshot the first cell whose text holds TEXT (repeatable)")
     args = parser.parse_args()
     names = args.notebooks or [str(p.relative_to(NOTEBOOKS)) for p in
                                sorted(NOTEBOOKS.glob("*.ipynb")) +
@@ -122,6 +141,9 @@ def main() -> int:
                 dirty = open_notebook(driver, args.port, name)
                 shot = args.out / (Path(name).stem + ".png")
                 driver.save_screenshot(str(shot))
+                for k, text in enumerate(args.at):
+                    if shown_at(driver, text):
+                        driver.save_screenshot(str(args.out / f"{Path(name).stem}-at{k}.png"))
                 for session in sessions(args.port):  # one kernel at a time
                     sessions(args.port, "DELETE", session["id"])
                 print(f"{'UNSAVED' if dirty else 'clean':8} {name}  ({shot})")
